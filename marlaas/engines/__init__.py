@@ -1,0 +1,1 @@
+"""Generation and training engines: one resident base model, per-job LoRA adapters."""
