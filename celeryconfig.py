@@ -1,0 +1,42 @@
+"""Celery transport settings for every marlaas process (workers, beat, Flower, the tick sender).
+
+Transport only: where the broker is, which queue each task goes to, and the delivery guarantees.
+Messages carry IDs and versions (JSON only, never pickle); payloads live in the store.
+"""
+
+import os
+
+broker_url = os.environ.get("MARLAAS_REDIS_URL", "redis://127.0.0.1:6379/0")
+broker_connection_retry_on_startup = True
+# Redelivery of an unacknowledged message after a lost worker: longer than the longest step. The
+# scheduler's own leases (MARLAAS_LEASE_S) re-dispatch lost work much sooner.
+broker_transport_options = {"visibility_timeout": 7200}
+
+task_serializer = "json"
+result_serializer = "json"
+accept_content = ["json"]
+task_ignore_result = True  # no task ever waits on another's result
+
+# Nothing is lost on a crash: ack after the work, requeue if the worker dies, take one at a time.
+task_acks_late = True
+task_reject_on_worker_lost = True
+worker_prefetch_multiplier = 1
+
+# Flower sees every task (workers also run with -E).
+worker_send_task_events = True
+task_send_sent_event = True
+
+task_default_queue = "control"
+task_routes = {
+    "marlaas.generate": {"queue": "generate"},
+    "marlaas.verify": {"queue": "verify"},
+    "marlaas.train": {"queue": "train"},
+    "marlaas.tick": {"queue": "control"},
+}
+
+beat_schedule = {
+    "tick": {"task": "marlaas.tick", "schedule": 1.0, "options": {"expires": 5.0}},
+}
+
+worker_hijack_root_logger = False
+timezone = "UTC"

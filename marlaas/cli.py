@@ -1,0 +1,203 @@
+"""The `marlaas` command line (typer + rich). Errors are one line on stderr and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from marlaas.errors import MarlaasError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Multi-tenant asynchronous RL fine-tuning.")
+base_app = typer.Typer(no_args_is_help=True, help="The base model.")
+app.add_typer(base_app, name="base")
+console = Console()
+err = Console(stderr=True)
+
+
+def _emit(obj, as_json: bool) -> bool:
+    if as_json:
+        sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    return as_json
+
+
+@base_app.command("build")
+def base_build(
+    out: Path = typer.Option(None, help="Directory (default: the deployment's MARLAAS_BASE)."),
+    preset: str = typer.Option(None, help="'default' (~1M parameters) or 'test' (tiny)."),
+    seed: int = typer.Option(0),
+    force: bool = typer.Option(False, help="Rebuild even if a built base exists."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Build and pretrain the tiny local base model (cached)."""
+    from marlaas.pretrain import build_base, ensure_base
+    from marlaas.settings import get_settings
+
+    s = get_settings()
+    out = out or s.base_path
+    preset = preset or s.base_preset
+    path = build_base(out, preset=preset, seed=seed) if force else ensure_base(out, preset=preset, seed=seed)
+    info = json.loads((Path(path) / "marlaas_base.json").read_text())
+    if not _emit({"path": str(path), **info}, as_json):
+        console.print(f"base model at {path}")
+        for fam, v in info.get("families", {}).items():
+            console.print(f"  {fam:10s} greedy {v.get('greedy_acc', 0):.2f}  pass@8 {v.get('pass_at_8', 0):.2f}")
+
+
+@app.command()
+def up(as_json: bool = typer.Option(False, "--json")):
+    """Start the embedded stack (Redis, workers, beat, Flower) in the background."""
+    from marlaas import embedded
+
+    url = _ensure_up(quiet=as_json)
+    if not _emit({"redis_url": url, "flower": "http://127.0.0.1:5555"}, as_json):
+        console.print(f"stack up: Redis {url}, Flower http://127.0.0.1:5555 (logs under {embedded.get_settings().home / 'logs'})")
+
+
+def _ensure_up(quiet: bool = False) -> str:
+    from marlaas import embedded
+    from marlaas.pretrain import ensure_base
+    from marlaas.settings import get_settings
+
+    s = get_settings()
+    if s.redis_url:
+        return s.redis_url  # an external deployment: nothing to start here
+    ensure_base(s.base_path, preset=s.base_preset, seed=0, progress=not quiet)
+    status = None if quiet else console.status("starting the embedded stack...")
+    if status:
+        status.start()
+    try:
+        return embedded.up(progress=(lambda missing: status.update(
+            f"waiting for workers: {', '.join(missing)}" if missing else "workers up")) if status else None)
+    finally:
+        if status:
+            status.stop()
+
+
+@app.command()
+def down(as_json: bool = typer.Option(False, "--json")):
+    """Stop the embedded stack."""
+    from marlaas import embedded
+
+    was = embedded.down()
+    if not _emit({"stopped": was}, as_json):
+        console.print("stack stopped" if was else "no embedded stack was running")
+
+
+@app.command("redis-server", hidden=True)
+def redis_server():
+    """The Procfile's redis line: run the bundled Redis in the foreground."""
+    from marlaas import embedded
+
+    embedded.run_redis_foreground()
+
+
+@app.command()
+def submit(
+    spec_file: Path = typer.Argument(..., help="A TOML file with the JobSpec fields."),
+    wait: bool = typer.Option(False, help="Follow the job until it ends."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Submit a job described by a TOML file."""
+    from marlaas.client import Client
+
+    if not spec_file.is_file():
+        raise MarlaasError(f"spec file not found: {spec_file}")
+    try:
+        data = tomllib.loads(spec_file.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise MarlaasError(f"{spec_file.name}: not valid TOML ({e})") from None
+    job = Client().submit(data)
+    if not as_json:
+        console.print(f"submitted {job.id}")
+    st = job.wait(progress=not as_json) if wait else job.status()
+    _emit(st, as_json)
+
+
+@app.command()
+def status(
+    job: str = typer.Argument(None, help="A job id; all jobs if omitted."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Show jobs as a table."""
+    from rich.table import Table
+
+    from marlaas.client import Client
+
+    c = Client()
+    rows = [c.job(job).status()] if job else [j.status() for j in c.jobs()]
+    if _emit(rows, as_json):
+        return
+    t = Table("job", "tenant", "task", "status", "step", "reward", "staleness", "base acc", "final acc")
+    for r in rows:
+        t.add_row(r["job"], r["tenant"], r["task"], r["status"], f"{r['version']}/{r['steps']}",
+                  _f(r["reward_mean"]), f"{r['staleness']}/{r['max_staleness']}", _f(r["base_acc"]), _f(r["final_acc"]))
+    console.print(t)
+
+
+@app.command()
+def cancel(job: str, as_json: bool = typer.Option(False, "--json")):
+    """Cancel a job."""
+    from marlaas.client import Client
+
+    Client().job(job).cancel()
+    if not _emit({"job": job, "status": "cancelled"}, as_json):
+        console.print(f"{job} cancelled")
+
+
+@app.command()
+def download(
+    job: str,
+    out_dir: Path,
+    version: int = typer.Option(None, help="Adapter version (default: newest)."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Write a job's adapter as a PEFT adapter directory."""
+    from marlaas.client import Client
+
+    p = Client().job(job).download_adapter(out_dir, version)
+    if not _emit({"job": job, "path": str(p)}, as_json):
+        console.print(f"adapter of {job} written to {p}")
+
+
+@app.command()
+def demo(
+    tenants: int = typer.Option(4, min=1, max=64, help="Concurrent tenants (task families cycle)."),
+    steps: int = typer.Option(None, min=1, help="Steps per job (default: tuned per task)."),
+    max_staleness: int = typer.Option(2, min=0),
+    json_out: Path = typer.Option(None, "--json", help="Write the summary as JSON here."),
+):
+    """Run several tenants' jobs at once on the embedded stack and report before/after accuracy."""
+    from marlaas.demo import run_demo
+
+    run_demo(tenants=tenants, steps=steps, max_staleness=max_staleness, json_out=json_out, console=console)
+
+
+def _f(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except MarlaasError as e:
+        err.print(f"error: {e}", style="red", markup=False, highlight=False)
+        sys.exit(2)
+    except (typer.Abort, KeyboardInterrupt):
+        err.print("aborted")
+        sys.exit(130)
+    except Exception as e:  # click usage errors come here in standalone_mode=False
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The Python API: submit jobs, follow them, fetch adapters.
+
+    from marlaas import Client, JobSpec
+    client = Client()                      # the embedded stack, or MARLAAS_REDIS_URL
+    job = client.submit(JobSpec(tenant="alice", task="sort", steps=40))
+    job.wait(progress=True)
+    job.download_adapter("alice-sort")
+
+Submitting validates the spec and the rows before anything is stored: an invalid job raises one
+clear `MarlaasError` and leaves no trace. The scheduler picks a new job up on its next tick.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from marlaas.data import job_rows
+from marlaas.engines.types import AdapterRef
+from marlaas.errors import BaseModelError, MarlaasError, NotFound
+from marlaas.spec import JobSpec, parse_spec
+from marlaas.store import Store
+
+TERMINAL = ("done", "failed", "cancelled")
+
+
+class Client:
+    """A connection to one marlaas deployment (its Redis)."""
+
+    def __init__(self, url: str | None = None, token: str | None = None):
+        self.store = Store(url)
+        self.store.check()
+        self.token = token
+
+    def submit(self, spec: JobSpec | dict) -> Job:
+        """Validate and enqueue a job; returns its handle."""
+        spec = parse_spec(spec)
+        dep = self.store.deployment()
+        if spec.base_model and dep.get("base_name") and spec.base_model not in (dep["base_name"], dep.get("base")):
+            raise BaseModelError(
+                f"this deployment serves base {dep['base_name']!r}, not {spec.base_model!r}"
+            )
+        train, held = job_rows(spec)
+        return Job(self, self.store.create_job(spec, train, held))
+
+    def job(self, job_id: str) -> Job:
+        self.store.job(job_id)  # raises NotFound
+        return Job(self, job_id)
+
+    def jobs(self, tenant: str | None = None) -> list[Job]:
+        return [Job(self, j) for j in self.store.job_ids(tenant)]
+
+
+class Job:
+    """Handle to one submitted job."""
+
+    def __init__(self, client: Client, job_id: str):
+        self.client = client
+        self.id = job_id
+
+    def __repr__(self) -> str:
+        return f"Job({self.id!r})"
+
+    @property
+    def store(self) -> Store:
+        return self.client.store
+
+    def status(self) -> dict:
+        """Progress in one dict: status, version/steps, last mean reward and staleness, accuracies."""
+        rec = self.store.job(self.id)
+        last = self.store.metrics(self.id)[-1:] or [{}]
+        evals = self.store.evals(self.id)
+        spec = rec.spec
+        return {
+            "job": self.id,
+            "tenant": rec.tenant,
+            "task": spec.task or "dataset",
+            "status": rec.status,
+            "version": rec.version,
+            "steps": spec.steps,
+            "reward_mean": last[0].get("reward_mean"),
+            "staleness": max(last[0].get("staleness") or [0]),
+            "max_staleness": spec.max_staleness,
+            "base_acc": evals.get(0, {}).get("acc"),
+            "final_acc": evals.get(spec.steps, {}).get("acc"),
+            "regenerated": int(rec.extra.get("regenerated", 0)),
+            "verify_errors": int(rec.extra.get("verify_errors", 0)),
+            "error": rec.extra.get("error"),
+        }
+
+    def wait(self, progress: bool = False, timeout: float | None = None, poll: float = 0.5) -> dict:
+        """Block until the job ends; with progress, show a live bar. Returns the final status."""
+        deadline = None if timeout is None else time.time() + timeout
+        bar = None
+        try:
+            while True:
+                st = self.status()
+                if progress:
+                    bar = _progress(bar, st)
+                if st["status"] in TERMINAL:
+                    return st
+                if deadline is not None and time.time() > deadline:
+                    raise MarlaasError(f"job {self.id} still {st['status']} after {timeout:.0f} s")
+                time.sleep(poll)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def cancel(self) -> None:
+        """Stop the job; work in flight for it is dropped."""
+        rec = self.store.job(self.id)
+        if rec.status not in TERMINAL:
+            self.store.set_status(self.id, "cancelled")
+
+    def metrics(self) -> dict:
+        """Per-step training metrics and held-out evaluations by version."""
+        return {"steps": self.store.metrics(self.id), "evals": self.store.evals(self.id)}
+
+    def download_adapter(self, out_dir: str | Path, version: int | None = None) -> Path:
+        """Write a published adapter version (default: the newest) as a PEFT adapter directory."""
+        from marlaas.adapters import write_adapter_dir
+
+        rec = self.store.job(self.id)
+        v = rec.version if version is None else version
+        if v == 0:
+            raise NotFound(f"job {self.id} has no trained adapter yet (version 0 is the base model itself)")
+        if v < 0 or v > rec.version:
+            raise NotFound(f"job {self.id} has versions 1..{rec.version}, not {v}")
+        blob = self.store.adapter(AdapterRef(self.id, v))
+        base = self.store.deployment().get("base")
+        return write_adapter_dir(blob, out_dir, base_path=base)
+
+
+def _progress(bar, st: dict):
+    from tqdm import tqdm
+
+    if bar is None:
+        bar = tqdm(total=st["steps"], desc=f"{st['job']} {st['task']}", unit="step")
+    bar.n = st["version"]
+    r = st["reward_mean"]
+    bar.set_postfix_str(
+        f"{st['status']} reward={r:.2f} staleness={st['staleness']}" if r is not None else st["status"],
+        refresh=False,
+    )
+    bar.refresh()
+    return bar

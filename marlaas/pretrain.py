@@ -1,0 +1,295 @@
+"""Pretraining the tiny base model on the built-in task families (FACTS.md's recipe).
+
+The base must leave room for RL: it should know the right behaviour of every family *and* a
+plausible wrong one, so greedy accuracy is modest while sampling often finds a right answer. So:
+on a visible ~60% subset of each family's inputs, an example is labelled with the family's
+deterministic WRONG answer (`Family.wrong`) with probability `p_wrong`, else with the right one.
+Loss is on the completion tokens and EOS only.
+
+`build_base` writes an ordinary Hugging Face directory plus `marlaas_base.json` (preset, seed,
+steps, per-family greedy accuracy and pass@8 on the "eval" split). `ensure_base` builds only when
+that file is missing, atomically (build in a temporary sibling directory, then rename).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from marlaas import basemodel, families
+
+META_FILE = "marlaas_base.json"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a preset is pretrained."""
+
+    model: str  # basemodel.PRESETS key
+    steps: int
+    batch: int = 64
+    lr: float = 3e-3
+    warmup: int = 50
+    min_lr_ratio: float = 0.1  # cosine decay floor, as a share of lr
+    p_wrong: float = 0.7  # probability an example is labelled with the family's wrong answer
+    visible_pct: int = 60  # share of each family's inputs pretraining sees
+    label_mode: str = "sample"  # "sample": draw right/wrong per example; "input": per input (hash)
+    eval_n: int = 64  # eval-split prompts per family measured after the build
+    eval_samples: int = 8  # samples per prompt for pass@k
+
+
+RECIPES: dict[str, Recipe] = {
+    "default": Recipe(model="default", steps=1500),
+    "test": Recipe(model="test", steps=150, batch=32, lr=5e-3, warmup=10, eval_n=16),
+}
+
+
+def _visible(prompt: str, pct: int) -> bool:
+    return families.bucket(prompt, "pretrain-visible") < pct
+
+
+def _example(fam: families.Family, rng: random.Random, r: Recipe) -> tuple[str, str]:
+    """One (prompt, completion) pretraining example of `fam` from its visible inputs."""
+    while True:
+        x = fam.sample(rng)
+        p = fam.prompt(x)
+        if _visible(p, r.visible_pct):
+            break
+    if r.label_mode == "input":
+        wrong = families.bucket(p, "pretrain-wrong") < round(100 * r.p_wrong)
+    else:
+        wrong = rng.random() < r.p_wrong
+    return p, (fam.wrong(x) if wrong else fam.correct_label(x))
+
+
+class _Encoder:
+    def __init__(self, tokenizer):
+        self.vocab = tokenizer.get_vocab()
+        self.unk = tokenizer.unk_token_id
+        self.eos = tokenizer.eos_token_id
+        self.pad = tokenizer.pad_token_id
+
+    def ids(self, text: str) -> list[int]:
+        return [self.vocab.get(c, self.unk) for c in text]
+
+
+def _batch(examples, enc: _Encoder):
+    """Left-padded input_ids, attention_mask, position_ids and labels (-100 except completion+EOS)."""
+    import torch
+
+    seqs, labs = [], []
+    for p, c in examples:
+        pi, ci = enc.ids(p), enc.ids(c) + [enc.eos]
+        seqs.append(pi + ci)
+        labs.append([-100] * len(pi) + ci)
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), enc.pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+    for i, (s, l) in enumerate(zip(seqs, labs)):
+        ids[i, width - len(s) :] = torch.tensor(s)
+        mask[i, width - len(s) :] = 1
+        labels[i, width - len(s) :] = torch.tensor(l)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, pos, labels
+
+
+def _lr_at(step: int, r: Recipe, total: int) -> float:
+    if step < r.warmup:
+        return r.lr * (step + 1) / r.warmup
+    t = (step - r.warmup) / max(1, total - r.warmup)
+    return r.lr * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def train(model, tokenizer, r: Recipe, seed: int, steps: int, progress: bool = True) -> list[float]:
+    """Pretrain `model` in place; returns the loss per step."""
+    import torch
+    from tqdm.auto import tqdm
+
+    enc = _Encoder(tokenizer)
+    names = sorted(families.FAMILIES)
+    fams = [families.FAMILIES[n] for n in names]
+    rng = random.Random(f"marlaas-pretrain:{seed}")
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=r.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    model.train()
+    losses: list[float] = []
+    bar = tqdm(range(steps), desc="pretrain", disable=not progress, mininterval=1.0)
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, r, steps)
+        # Every family equally often in each batch (round-robin, then shuffled).
+        exs = [_example(fams[i % len(fams)], rng, r) for i in range(r.batch)]
+        ids, mask, pos, labels = _batch(exs, enc)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(out.loss))
+        if progress and step % 25 == 0:
+            bar.set_postfix(loss=f"{sum(losses[-25:]) / len(losses[-25:]):.3f}")
+    model.eval()
+    return losses
+
+
+def generate(model, tokenizer, prompts: list[str], *, n: int = 1, greedy: bool = True, seed: int = 0,
+             max_new_tokens: int = families.MAX_ANSWER_TOKENS, batch_size: int = 512):
+    """Completions of each prompt, `n` per prompt: (texts, finished), both [prompt][sample].
+
+    Texts drop special tokens; `finished` says the completion ended with EOS within the budget.
+    Sampling is plain temperature 1.0 with top_k=0 and top_p=1.0 set explicitly (transformers'
+    generate otherwise applies its default top_k=50).
+    """
+    import torch
+
+    torch.manual_seed(seed)
+    rows = [p for p in prompts for _ in range(n)]
+    texts: list[str] = []
+    done: list[bool] = []
+    kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    eos = tokenizer.eos_token_id
+    with torch.no_grad():
+        for i in range(0, len(rows), batch_size):
+            chunk = rows[i : i + batch_size]
+            enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=eos,
+                **kw,
+            )
+            new = out[:, enc["input_ids"].shape[1] :]
+            texts += tokenizer.batch_decode(new, skip_special_tokens=True)
+            done += (new == eos).any(dim=1).tolist()
+    split = lambda xs: [xs[j * n : (j + 1) * n] for j in range(len(prompts))]  # noqa: E731
+    return split(texts), split(done)
+
+
+def evaluate(model, tokenizer, eval_n: int = 64, samples: int = 8, seed: int = 0) -> dict:
+    """Per family, on `eval_n` prompts of the "eval" split: greedy accuracy, pass@`samples` at
+    temperature 1.0, and the share of greedy completions that ended with EOS (`eos_rate`)."""
+    names = sorted(families.FAMILIES)
+    prompts = {nm: [r["prompt"] for r in families.rows(nm, "eval", eval_n, seed=seed)] for nm in names}
+    allp = [p for nm in names for p in prompts[nm]]
+    greedy, g_done = generate(model, tokenizer, allp, n=1, greedy=True)
+    sampled, _ = generate(model, tokenizer, allp, n=samples, greedy=False, seed=seed + 1)
+    res: dict[str, dict] = {}
+    k = 0
+    for nm in names:
+        g_ok = s_ok = fin = 0
+        for p in prompts[nm]:
+            g_ok += families.correct(nm, p, greedy[k][0])
+            s_ok += any(families.correct(nm, p, c) for c in sampled[k])
+            fin += g_done[k][0]
+            k += 1
+        m = len(prompts[nm])
+        res[nm] = {
+            "greedy_acc": round(g_ok / m, 4),
+            f"pass_at_{samples}": round(s_ok / m, 4),
+            "eos_rate": round(fin / m, 4),
+        }
+    return res
+
+
+def build_base(out_dir, preset: str = "default", seed: int = 0, steps: int | None = None,
+               progress: bool = True, threads: int = 2, recipe: Recipe | None = None) -> Path:
+    """Initialise, pretrain, evaluate and save a base model into `out_dir`; returns the path.
+
+    Deterministic for (preset, seed, steps). `threads` is the torch thread budget for training
+    (evaluation generates with one thread, faster at this size).
+    """
+    import torch
+
+    r = recipe or RECIPES[preset]
+    if steps is not None:
+        r = replace(r, steps=steps)
+    out_dir = Path(out_dir)
+    prev_threads = torch.get_num_threads()
+    t0 = time.monotonic()
+    try:
+        torch.set_num_threads(max(1, threads))
+        model, tokenizer = basemodel.init_model(r.model, seed=seed)
+        losses = train(model, tokenizer, r, seed, r.steps, progress=progress)
+        t_train = time.monotonic() - t0
+        torch.set_num_threads(1)
+        fam_metrics = evaluate(model, tokenizer, eval_n=r.eval_n, samples=r.eval_samples, seed=seed)
+    finally:
+        torch.set_num_threads(prev_threads)
+    basemodel.save(model, tokenizer, out_dir)
+    meta = {
+        "preset": preset,
+        "seed": seed,
+        "steps": r.steps,
+        "model_preset": r.model,
+        "recipe": asdict(r),
+        "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),
+        "train_seconds": round(t_train, 1),
+        "build_seconds": round(time.monotonic() - t0, 1),
+        "eval": {"split": "eval", "prompts_per_family": r.eval_n, "samples": r.eval_samples,
+                 "temperature": 1.0, "max_new_tokens": families.MAX_ANSWER_TOKENS},
+        "families": fam_metrics,
+    }
+    (out_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return out_dir
+
+
+def ensure_base(path, preset: str = "default", seed: int = 0, progress: bool = True,
+                threads: int = 2) -> Path:
+    """The base model at `path`, built there first if `path/marlaas_base.json` is missing.
+
+    The build goes into a temporary sibling directory that is renamed into place, so a crash
+    never leaves a half-written model at `path`.
+    """
+    path = Path(path)
+    if (path / META_FILE).is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
+    try:
+        build_base(tmp, preset=preset, seed=seed, progress=progress, threads=threads)
+        if (path / META_FILE).is_file():  # someone else finished first
+            return path
+        if path.exists():  # a leftover without the marker file: not a finished build
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def read_meta(path) -> dict:
+    return json.loads((Path(path) / META_FILE).read_text())
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Build (pretrain) the marlaas base model.")
+    ap.add_argument("out_dir")
+    ap.add_argument("--preset", default="default", choices=sorted(RECIPES))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--force", action="store_true", help="rebuild even if the directory has a base")
+    a = ap.parse_args(argv)
+    if a.force:
+        build_base(a.out_dir, a.preset, a.seed, a.steps, progress=True, threads=a.threads)
+    elif a.steps is not None:
+        build_base(a.out_dir, a.preset, a.seed, a.steps, progress=True, threads=a.threads)
+    else:
+        ensure_base(a.out_dir, a.preset, a.seed, progress=True, threads=a.threads)
+    print(json.dumps(read_meta(a.out_dir), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Scheduling policy: pure functions of a state snapshot (no Redis, no Celery, no clock).
+
+The Celery `tick` task (tasks/scheduler.py) reads a `Snapshot` from the store under a lock, calls
+`plan()`, and carries the `Plan` out. Keeping the policy pure makes it unit-testable and lets the
+simulator in bench/ run the very same code over simulated time.
+
+Staleness by admission control (AReaL / SkyRL style). Job j with P groups per step, at published
+version t, may have dispatched at most  min((t + S + 1) * P, steps * P)  groups. Step k trains on
+exactly the groups [kP, (k+1)P). Group g (step k = g // P) can only be dispatched once
+g < (t_d + S + 1) P, i.e. at some version t_d >= k - S, and it is sampled with the version current
+when the generate task runs, v >= t_d. It trains at version t = k, so t - v <= k - t_d <= S.
+Nothing is discarded in normal operation; the train task still checks the bound and regenerates
+(never trains on) any group that would break it.
+
+Trainer lane: weighted round-robin by stride scheduling. Each job has a pass value; among jobs
+whose next step's groups are all verified, the one with the lowest pass trains next and its pass
+grows by 1 / weight. Over any window a job with weight w gets a share w / sum(w) of the steps
+(among jobs that are ready), within one step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+Item = tuple[str, str, int]  # (kind, job id, group index or version)
+
+
+@dataclass(frozen=True)
+class JobState:
+    """What the policy needs to know about one active job."""
+
+    id: str
+    version: int
+    steps: int
+    staleness: int
+    groups_per_step: int
+    group_size: int
+    dispatched: int
+    weight: float = 1.0
+    pass_value: float = 0.0
+    ready: bool = False
+    eval_rows: int = 0
+    need_eval: tuple[int, ...] = ()
+
+    @property
+    def done_training(self) -> bool:
+        return self.version >= self.steps
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The state the scheduler decides on."""
+
+    jobs: tuple[JobState, ...]
+    gen_inflight: int = 0
+    gen_capacity: int = 2
+    batch_rows: int = 256
+    trainer_free: bool = True
+    expired: tuple[Item, ...] = ()
+
+
+@dataclass
+class Plan:
+    """What to dispatch now."""
+
+    gen_batches: list[list[Item]] = field(default_factory=list)
+    dispatched: dict[str, int] = field(default_factory=dict)
+    verify: list[Item] = field(default_factory=list)
+    train: tuple[str, int] | None = None
+
+
+def admission_limit(version: int, staleness: int, groups_per_step: int, steps: int) -> int:
+    """Most groups a job may have dispatched at this version."""
+    return min((version + staleness + 1) * groups_per_step, steps * groups_per_step)
+
+
+def step_of(group: int, groups_per_step: int) -> int:
+    return group // groups_per_step
+
+
+def step_groups(step: int, groups_per_step: int) -> list[int]:
+    """The groups step `step` trains on."""
+    return list(range(step * groups_per_step, (step + 1) * groups_per_step))
+
+
+def within_staleness(train_version: int, sample_version: int, staleness: int) -> bool:
+    """Invariant 1: a rollout sampled at v may train at t only if 0 <= t - v <= S."""
+    return 0 <= train_version - sample_version <= staleness
+
+
+def choose_trainer(jobs: tuple[JobState, ...] | list[JobState]) -> JobState | None:
+    """Weighted round-robin: the ready job with the lowest pass (ties: lowest id number)."""
+    ready = [j for j in jobs if j.ready and not j.done_training]
+    if not ready:
+        return None
+    return min(ready, key=lambda j: (j.pass_value, _id_key(j.id)))
+
+
+def _id_key(jid: str) -> tuple[int, str]:
+    digits = "".join(c for c in jid if c.isdigit())
+    return (int(digits) if digits else 0, jid)
+
+
+def _new_groups(jobs: tuple[JobState, ...]) -> list[list[Item]]:
+    """Per job (most urgent first), the admissible groups not yet dispatched."""
+    def urgency(j: JobState):
+        blocked = j.dispatched < (j.version + 1) * j.groups_per_step  # its next step lacks groups
+        return (0 if blocked else 1, j.pass_value, _id_key(j.id))
+
+    out = []
+    for j in sorted(jobs, key=urgency):
+        limit = admission_limit(j.version, j.staleness, j.groups_per_step, j.steps)
+        out.append([("gen", j.id, g) for g in range(j.dispatched, limit)])
+    return out
+
+
+def _rows(item: Item, by_id: dict[str, JobState]) -> int:
+    j = by_id[item[1]]
+    return j.eval_rows if item[0] == "eval" else j.group_size
+
+
+def plan(s: Snapshot) -> Plan:
+    """Decide what to dispatch: generation batches, re-verifications and the trainer's next job."""
+    by_id = {j.id: j for j in s.jobs}
+    out = Plan()
+    expired = [it for it in s.expired if it[1] in by_id]
+    out.verify = [it for it in expired if it[0] in ("ver", "evalver")]
+
+    # Work for the generate station, in priority order: lost work first, then evaluations, then new
+    # groups interleaved across jobs (one group per job per round) so that a batch mixes tenants.
+    first = [it for it in expired if it[0] in ("gen", "eval")]
+    expired_evals = {(it[1], it[2]) for it in first if it[0] == "eval"}
+    evals = [("eval", j.id, v) for j in s.jobs for v in j.need_eval if (j.id, v) not in expired_evals]
+    queues = _new_groups(s.jobs)
+    interleaved: list[Item] = []
+    while any(queues):
+        for q in queues:
+            if q:
+                interleaved.append(q.pop(0))
+    todo = first + evals + interleaved
+
+    free = max(0, s.gen_capacity - s.gen_inflight)
+    while todo and len(out.gen_batches) < free:
+        batch, rows = [], 0
+        while todo and (not batch or rows + _rows(todo[0], by_id) <= s.batch_rows):
+            it = todo.pop(0)
+            batch.append(it)
+            rows += _rows(it, by_id)
+        out.gen_batches.append(batch)
+    for batch in out.gen_batches:
+        for kind, jid, g in batch:
+            if kind == "gen" and g >= by_id[jid].dispatched:
+                out.dispatched[jid] = max(out.dispatched.get(jid, 0), g + 1)
+
+    if s.trainer_free:
+        j = choose_trainer(s.jobs)
+        if j is not None:
+            out.train = (j.id, j.version)
+    return out

@@ -1,0 +1,60 @@
+"""Deployment settings, read from environment variables (pydantic-settings).
+
+| variable | meaning | default |
+|---|---|---|
+| MARLAAS_HOME | where the embedded Redis, the built base model and caches live | ~/.marlaas |
+| MARLAAS_REDIS_URL | the Redis every process shares; unset = the embedded one started by `marlaas up` | embedded |
+| MARLAAS_BASE | the base model directory (any local HF causal LM) | $MARLAAS_HOME/base |
+| MARLAAS_BASE_PRESET | size of the tiny base built when MARLAAS_BASE is missing ('default', 'test') | default |
+| MARLAAS_ENGINE | generation engine: 'hf' (transformers+PEFT) or 'vllm' | hf |
+| MARLAAS_THREADS | torch/OMP threads per engine process | 1 |
+| MARLAAS_GEN_BATCH_ROWS | most completions one generate task samples | 256 |
+| MARLAAS_LEASE_S | seconds before unfinished work is re-dispatched | 120 |
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """All knobs of a deployment; every process of one deployment must see the same values."""
+
+    model_config = SettingsConfigDict(env_prefix="MARLAAS_", extra="ignore")
+
+    home: Path = Field(default_factory=lambda: Path.home() / ".marlaas")
+    """Directory for the embedded Redis data, the built base model and local caches."""
+    redis_url: str | None = None
+    """Redis URL shared by every process; None means the embedded server of `marlaas up`."""
+    base: Path | None = None
+    """Base model directory; None means `<home>/base` (built on demand)."""
+    base_preset: Literal["default", "test"] = "default"
+    """Size of the tiny base model built when none exists."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """Generation engine. On the 2-core CPU default, PEFT measured faster than vLLM's CPU LoRA path."""
+    threads: int = Field(1, ge=1, le=256)
+    """Torch / OpenMP threads per engine process (several processes share the cores)."""
+    gen_batch_rows: int = Field(256, ge=1, le=65536)
+    """Most completions (rows) one generate task samples, across jobs."""
+    lease_s: float = Field(120.0, gt=0)
+    """Seconds after which dispatched work that has not finished is dispatched again."""
+    train_lease_s: float = Field(300.0, gt=0)
+    """Seconds after which a train task that has not published is considered lost."""
+
+    @property
+    def base_path(self) -> Path:
+        return self.base if self.base is not None else self.home / "base"
+
+    @property
+    def embedded_dir(self) -> Path:
+        return self.home / "embedded"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

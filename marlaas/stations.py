@@ -1,0 +1,189 @@
+"""What each station does with one task: generate, verify, train. Idempotent; no Celery here.
+
+The Celery tasks in `tasks/` are thin wrappers that call these with the worker's engine and store,
+then kick the scheduler. Every function tolerates redelivery: a duplicate generate overwrites a
+group with a fresh attempt (rewards of the old attempt are then refused), a duplicate verify
+rewrites the same rewards, and a duplicate train is a no-op because publishing is a
+compare-and-set on the version.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from marlaas import scheduler
+from marlaas.engines.types import AdapterRef, GenRequest
+from marlaas.store import Store
+
+log = logging.getLogger("marlaas.stations")
+
+
+MAX_FAILURES = 3
+
+
+def count_failure(store: Store, jid: str, station: str, err: BaseException) -> None:
+    """Count a station error for one job; after MAX_FAILURES the job (only that job) fails."""
+    n = store.incr_field(jid, f"{station}_errors")
+    log.error("job %s: %s error %d/%d: %s", jid, station, n, MAX_FAILURES, err)
+    if n >= MAX_FAILURES:
+        store.set_status(jid, "failed", f"{station} failed {n} times: {type(err).__name__}: {err}")
+
+
+def adapter_for(jid: str, version: int) -> AdapterRef | None:
+    """Version 0 is the base itself (a fresh LoRA has B = 0): served with no adapter."""
+    return AdapterRef(jid, version) if version > 0 else None
+
+
+def train_row_index(g: int, n_rows: int) -> int:
+    """Rows are shuffled once at submit (by the job's seed); group g uses row g mod n."""
+    return g % n_rows
+
+
+def run_generate(store: Store, engine, items: list[list]) -> dict[tuple[str, str], list[int]]:
+    """Sample every item of a mixed-tenant batch in one engine call; store rollouts.
+
+    Returns {(job, 'train'|'eval'): [indices]} to verify next.
+    """
+    reqs: list[GenRequest] = []
+    meta: dict[str, tuple] = {}
+    for kind, jid, idx in items:
+        status, version = store.job_fields(jid, "status", "version")
+        if status not in ("running", "evaluating"):
+            continue  # cancelled, failed or gone: drop the work
+        spec = store.spec(jid)
+        t = int(version)
+        if kind == "gen":
+            if idx < t * spec.prompts_per_step:
+                store.drop_lease(f"gen|{jid}|{idx}")
+                continue  # already trained on: a late duplicate
+            n = store.n_rows(jid, "train")
+            ri = train_row_index(idx, n)
+            row = store.row(jid, "train", ri)
+            key = f"gen|{jid}|{idx}"
+            reqs.append(GenRequest(key=key, prompt=row["prompt"], adapter=adapter_for(jid, t),
+                                   n=spec.group_size, temperature=spec.temperature,
+                                   max_new_tokens=spec.max_new_tokens,
+                                   seed=(spec.seed * 1_000_003 + idx) % 2**31))
+            meta[key] = (kind, jid, idx, t, ri, row)
+        else:  # eval of version idx, greedy, one completion per held-out row
+            rows = store.rows(jid, "eval")
+            for ri, row in enumerate(rows):
+                key = f"eval|{jid}|{idx}|{ri}"
+                reqs.append(GenRequest(key=key, prompt=row["prompt"], adapter=adapter_for(jid, idx), n=1,
+                                       max_new_tokens=spec.max_new_tokens, greedy=True))
+                meta[key] = (kind, jid, idx, idx, ri, row)
+    if not reqs:
+        return {}
+    results = engine.generate(reqs)
+    served = {r.adapter: engine.serves(r.adapter) for r in reqs if r.adapter is not None}
+    missing = [ref.name for ref, ok in served.items() if not ok]
+    if missing:
+        raise RuntimeError(f"engine does not serve adapter versions it just used: {missing}")
+    to_verify: dict[tuple[str, str], list[int]] = {}
+    evals: dict[tuple[str, int], list] = {}
+    for res in results:
+        kind, jid, idx, v, ri, row = meta[res.key]
+        comps = [{"ids": c.token_ids, "logprobs": c.logprobs, "text": c.text} for c in res.completions]
+        if kind == "gen":
+            store.put_rollout(jid, idx, v, {"row": row, "row_idx": ri, "completions": comps})
+            to_verify.setdefault((jid, "train"), []).append(idx)
+        else:
+            evals.setdefault((jid, idx), []).append({"row": row, "text": comps[0]["text"]})
+    for (jid, v), rows in evals.items():
+        store.put_eval_rollout(jid, v, {"rows": rows})
+        to_verify.setdefault((jid, "eval"), []).append(v)
+    return to_verify
+
+
+def run_verify(store: Store, jid: str, kind: str, idxs: list[int]) -> int:
+    """Score groups (kind 'train') or a held-out evaluation (kind 'eval'); returns items accepted."""
+    from marlaas.rewards import score_group
+
+    status = store.job_fields(jid, "status")[0]
+    if status not in ("running", "evaluating"):
+        return 0
+    spec = store.spec(jid)
+    verifier = spec.verifier_name()
+    accepted = 0
+    for idx in idxs:
+        if kind == "train":
+            roll = store.rollout(jid, idx)
+            if roll is None:
+                continue
+            res = score_group(verifier, roll["row"], [c["text"] for c in roll["completions"]])
+            if res.errors:
+                store.incr_field(jid, "verify_errors", res.errors)
+                log.warning("job %s group %s: %d verifier errors: %s", jid, idx, res.errors, res.error)
+            accepted += store.accept_rewards(jid, idx, roll["attempt"],
+                                             {"rewards": res.rewards, "errors": res.errors})
+        else:
+            ev = store.eval_rollout(jid, idx)
+            if ev is None:
+                continue
+            correct = 0.0
+            for r in ev["rows"]:
+                correct += score_group(verifier, r["row"], [r["text"]]).rewards[0]
+            n = len(ev["rows"])
+            store.put_eval_result(jid, idx, {"acc": correct / max(n, 1), "n": n, "at": time.time()})
+            accepted += 1
+            if all(store.has_evals(jid, [0, spec.steps])):
+                store.set_status(jid, "done")
+    return accepted
+
+
+def run_train(store: Store, engine, jid: str, t: int, token: str) -> dict:
+    """One policy-gradient step of job `jid` at version t; publishes t+1 exactly once."""
+    from marlaas import rl
+    from marlaas.engines.training import TrainSample, TrainState
+
+    status, version = store.job_fields(jid, "status", "version")
+    if status not in ("running",) or version is None or int(version) != t:
+        store.release_trainer(token)
+        return {"skipped": "not at this version (already published or job stopped)"}
+    spec = store.spec(jid)
+    groups = scheduler.step_groups(t, spec.prompts_per_step)
+    rolls = [store.rollout(jid, g) for g in groups]
+    bad = [g for g, r in zip(groups, rolls)
+           if r is None or "rewards" not in r or not scheduler.within_staleness(t, r["version"], spec.max_staleness)]
+    if bad:
+        for g in bad:
+            store.invalidate_group(jid, g)
+        store.release_trainer(token)
+        return {"skipped": f"groups {bad} missing, unverified or too stale: regenerating"}
+
+    import torch
+
+    samples, rewards_all, staleness = [], [], []
+    for r in rolls:
+        rewards = r["rewards"]["rewards"]
+        rewards_all += rewards
+        staleness.append(t - r["version"])
+        adv = rl.group_advantages(torch.tensor(rewards, dtype=torch.float32), mode=spec.rl.advantage)
+        if spec.rl.drop_zero_advantage and bool((adv == 0).all()):
+            continue
+        for c, a in zip(r["completions"], adv.tolist()):
+            samples.append(TrainSample(prompt=r["row"]["prompt"], completion_ids=c["ids"],
+                                       behav_logprobs=c["logprobs"], advantage=float(a)))
+    state = None
+    if t > 0:
+        opt = store.optimizer_state(jid)
+        if opt is not None and opt[0] == t:
+            state = TrainState(version=t, adapter=store.adapter(AdapterRef(jid, t)), optimizer=opt[1])
+    t0 = time.time()
+    out = engine.step(jid, t, spec, samples, state)
+    metrics = dict(out.metrics)
+    metrics.update(
+        step=t + 1,
+        reward_mean=sum(rewards_all) / max(len(rewards_all), 1),
+        staleness=staleness,
+        train_s=time.time() - t0,
+        at=time.time(),
+    )
+    ok = store.publish(jid, t, out.adapter, out.optimizer, metrics, token, groups, spec.steps)
+    if ok and t + 1 >= spec.steps:
+        store.set_status(jid, "evaluating")
+    if not ok:
+        store.release_trainer(token)
+        return {"skipped": "version moved during the step (published elsewhere): no-op"}
+    return metrics

@@ -1,0 +1,540 @@
+"""The Redis store: the only module that knows key names.
+
+Everything a job needs lives here, namespaced by job (and the job records its tenant): the spec,
+its prompt rows, rollouts with the adapter version that sampled them, rewards, published adapter
+versions and optimizer state, metrics and evaluations. Celery messages carry only IDs.
+
+Key schema (prefix `m:`):
+  m:seq                         INCR counter for job ids
+  m:jobs:active                 set of job ids the scheduler looks at
+  m:jobs:all                    zset job id -> created time
+  m:tenant:{t}:jobs             set of a tenant's job ids
+  m:job:{j}                     hash: spec, tenant, status, version, dispatched, pass, created, ...
+  m:job:{j}:rows:{split}        list of JSON rows (split = train | eval)
+  m:job:{j}:roll:{g}            hash of group g: attempt, version, data | r_attempt, rewards
+  m:job:{j}:verified            set of group indices verified and not yet trained
+  m:job:{j}:eval:{v}            hash of the held-out evaluation of version v (like a rollout)
+  m:job:{j}:evals               hash v -> JSON {acc, n}
+  m:job:{j}:adapter:{v}         hash: config (JSON), weights (safetensors bytes)
+  m:job:{j}:optim               hash: version, data (optimizer state bytes)
+  m:job:{j}:metrics             list of JSON, one per published step
+  m:leases                      zset work item -> deadline (re-dispatched when expired)
+  m:gen:inflight                zset generate batch id -> deadline
+  m:trainer:lease               JSON {token, job, version, until}: the single trainer lane
+  m:events                      list of JSON task events {station, start, end, jobs, worker}
+  m:worker:{name}               heartbeat with TTL
+  m:sched:lock / m:sched:kick   scheduler mutex / pending-kick flag
+  m:sched:vt                    virtual time of the weighted round-robin
+
+Invariants kept here: publishing version t+1 is one Lua compare-and-set on t (exactly-once steps);
+rewards are accepted only for the rollout attempt they were computed on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import redis
+
+from marlaas.engines.types import AdapterBlob, AdapterRef
+from marlaas.errors import NotFound, StoreUnavailable
+from marlaas.settings import get_settings
+from marlaas.spec import JobSpec
+
+P = "m:"
+ACTIVE = P + "jobs:active"
+ALL = P + "jobs:all"
+LEASES = P + "leases"
+GEN_INFLIGHT = P + "gen:inflight"
+TRAINER = P + "trainer:lease"
+EVENTS = P + "events"
+LOCK = P + "sched:lock"
+KICK = P + "sched:kick"
+VT = P + "sched:vt"
+DEPLOYMENT = P + "deployment"
+EVENTS_CAP = 200_000
+# Adapter versions kept in the store besides the newest (older ones are deleted on publish);
+# the job's final version and version 0 (the base) are always available.
+KEEP_VERSIONS_EXTRA = 2
+
+
+def job_key(j: str) -> str:
+    return f"{P}job:{j}"
+
+
+def rows_key(j: str, split: str) -> str:
+    return f"{P}job:{j}:rows:{split}"
+
+
+def roll_key(j: str, g: int) -> str:
+    return f"{P}job:{j}:roll:{g}"
+
+
+def eval_key(j: str, v: int) -> str:
+    return f"{P}job:{j}:eval:{v}"
+
+
+def adapter_key(j: str, v: int) -> str:
+    return f"{P}job:{j}:adapter:{v}"
+
+
+def verified_key(j: str) -> str:
+    return f"{P}job:{j}:verified"
+
+
+def evals_key(j: str) -> str:
+    return f"{P}job:{j}:evals"
+
+
+def metrics_key(j: str) -> str:
+    return f"{P}job:{j}:metrics"
+
+
+def optim_key(j: str) -> str:
+    return f"{P}job:{j}:optim"
+
+
+def tenant_key(t: str) -> str:
+    return f"{P}tenant:{t}:jobs"
+
+
+def item_name(kind: str, job: str, idx: int) -> str:
+    """A work item: ('gen' | 'ver' | 'eval' | 'evalver', job, group index or version)."""
+    return f"{kind}|{job}|{idx}"
+
+
+def parse_item(name: str | bytes) -> tuple[str, str, int]:
+    if isinstance(name, bytes):
+        name = name.decode()
+    kind, job, idx = name.split("|")
+    return kind, job, int(idx)
+
+
+def resolve_url(url: str | None = None) -> str:
+    """The Redis URL: explicit, else MARLAAS_REDIS_URL, else the embedded server's recorded URL."""
+    if url:
+        return url
+    s = get_settings()
+    if s.redis_url:
+        return s.redis_url
+    f = s.embedded_dir / "redis.url"
+    if f.is_file():
+        return f.read_text().strip()
+    raise StoreUnavailable(
+        "no Redis: start the embedded stack with `marlaas up` or set MARLAAS_REDIS_URL"
+    )
+
+
+@lru_cache(maxsize=8)
+def _client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
+
+
+_PUBLISH = """
+-- KEYS: job, adapter(v+1), optim, trainer lease, verified, metrics, old adapter (or '')
+-- ARGV: t, config, weights, optim, metrics json, lease token, now, n_groups, g1..gn
+local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
+if cur ~= tonumber(ARGV[1]) then return 0 end
+local nv = cur + 1
+redis.call('HSET', KEYS[1], 'version', nv, 'updated', ARGV[7])
+redis.call('HSET', KEYS[2], 'config', ARGV[2], 'weights', ARGV[3])
+redis.call('HSET', KEYS[3], 'version', nv, 'data', ARGV[4])
+redis.call('RPUSH', KEYS[6], ARGV[5])
+local n = tonumber(ARGV[8])
+for i = 1, n do
+  local g = ARGV[8 + i]
+  redis.call('SREM', KEYS[5], g)
+  redis.call('DEL', KEYS[1] .. ':roll:' .. g)
+end
+if KEYS[7] ~= '' then redis.call('DEL', KEYS[7]) end
+local lease = redis.call('GET', KEYS[4])
+if lease and string.find(lease, ARGV[6], 1, true) then redis.call('DEL', KEYS[4]) end
+return 1
+"""
+
+_ACCEPT_REWARDS = """
+-- KEYS: roll hash, verified set, leases ; ARGV: attempt, rewards json, g, lease member
+if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'r_attempt', ARGV[1], 'rewards', ARGV[2])
+redis.call('SADD', KEYS[2], ARGV[3])
+redis.call('ZREM', KEYS[3], ARGV[4])
+return 1
+"""
+
+_RELEASE = """
+local v = redis.call('GET', KEYS[1])
+if v and string.find(v, ARGV[1], 1, true) then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+@dataclass
+class JobRecord:
+    """A job as the store holds it (the spec plus mutable progress)."""
+
+    id: str
+    spec: JobSpec
+    tenant: str
+    status: str
+    version: int
+    dispatched: int
+    created: float
+    extra: dict = field(default_factory=dict)
+
+
+class Store:
+    """Typed access to the Redis store. Every method is one or a few round trips."""
+
+    def __init__(self, url: str | None = None):
+        self.url = resolve_url(url)
+        self.r = _client(self.url)
+        self._publish = self.r.register_script(_PUBLISH)
+        self._accept = self.r.register_script(_ACCEPT_REWARDS)
+        self._release = self.r.register_script(_RELEASE)
+
+    # ---------------------------------------------------------------- connectivity
+    def ping(self) -> bool:
+        try:
+            return bool(self.r.ping())
+        except redis.ConnectionError:
+            return False
+
+    def check(self) -> None:
+        if not self.ping():
+            raise StoreUnavailable(f"Redis at {self.url} does not answer: is the stack up (`marlaas up`)?")
+
+    # ---------------------------------------------------------------- jobs
+    def create_job(self, spec: JobSpec, train_rows: list[dict], eval_rows: list[dict]) -> str:
+        """Store a validated job with its rows atomically; returns the job id."""
+        jid = f"j{self.r.incr(P + 'seq')}"
+        now = time.time()
+        vt = float(self.r.get(VT) or 0.0)
+        p = self.r.pipeline(transaction=True)
+        p.hset(
+            job_key(jid),
+            mapping={
+                "spec": spec.model_dump_json(exclude={"dataset", "eval_dataset"}),
+                "tenant": spec.tenant,
+                "status": "running",
+                "version": 0,
+                "dispatched": 0,
+                "pass": vt,
+                "created": now,
+                "updated": now,
+                "regenerated": 0,
+                "verify_errors": 0,
+            },
+        )
+        p.rpush(rows_key(jid, "train"), *[json.dumps(r) for r in train_rows])
+        p.rpush(rows_key(jid, "eval"), *[json.dumps(r) for r in eval_rows])
+        p.sadd(ACTIVE, jid)
+        p.zadd(ALL, {jid: now})
+        p.sadd(tenant_key(spec.tenant), jid)
+        p.execute()
+        return jid
+
+    def job_ids(self, tenant: str | None = None) -> list[str]:
+        if tenant is not None:
+            ids = [x.decode() for x in self.r.smembers(tenant_key(tenant))]
+            return sorted(ids, key=lambda s: int(s[1:]))
+        return [x.decode() for x in self.r.zrange(ALL, 0, -1)]
+
+    def active_job_ids(self) -> list[str]:
+        return sorted((x.decode() for x in self.r.smembers(ACTIVE)), key=lambda s: int(s[1:]))
+
+    def job(self, jid: str) -> JobRecord:
+        h = self.r.hgetall(job_key(jid))
+        if not h:
+            raise NotFound(f"no job {jid!r}")
+        d = {k.decode(): v.decode() for k, v in h.items()}
+        return JobRecord(
+            id=jid,
+            spec=spec_from_json(d.pop("spec")),
+            tenant=d.pop("tenant"),
+            status=d.pop("status"),
+            version=int(d.pop("version")),
+            dispatched=int(d.pop("dispatched")),
+            created=float(d.pop("created")),
+            extra=d,
+        )
+
+    def spec(self, jid: str) -> JobSpec:
+        raw = self.r.hget(job_key(jid), "spec")
+        if raw is None:
+            raise NotFound(f"no job {jid!r}")
+        return spec_from_json(raw.decode())
+
+    def job_fields(self, jid: str, *names: str) -> list[str | None]:
+        vals = self.r.hmget(job_key(jid), names)
+        return [v.decode() if v is not None else None for v in vals]
+
+    def set_status(self, jid: str, status: str, error: str | None = None) -> None:
+        m = {"status": status, "updated": time.time()}
+        if error:
+            m["error"] = error[:500]
+        p = self.r.pipeline()
+        p.hset(job_key(jid), mapping=m)
+        if status in ("done", "cancelled", "failed"):
+            p.srem(ACTIVE, jid)
+            p.zrem(LEASES, *[item_name(k, jid, i) for k, i in self._leased_items(jid)] or ["-"])
+        p.execute()
+
+    def _leased_items(self, jid: str) -> list[tuple[str, int]]:
+        out = []
+        for name in self.r.zrange(LEASES, 0, -1):
+            k, j, i = parse_item(name)
+            if j == jid:
+                out.append((k, i))
+        return out
+
+    def incr_field(self, jid: str, name: str, by: int = 1) -> int:
+        return int(self.r.hincrby(job_key(jid), name, by))
+
+    # ---------------------------------------------------------------- rows
+    def row(self, jid: str, split: str, idx: int) -> dict:
+        raw = self.r.lindex(rows_key(jid, split), idx)
+        if raw is None:
+            raise NotFound(f"job {jid} has no {split} row {idx}")
+        return json.loads(raw)
+
+    def rows(self, jid: str, split: str) -> list[dict]:
+        return [json.loads(x) for x in self.r.lrange(rows_key(jid, split), 0, -1)]
+
+    def n_rows(self, jid: str, split: str) -> int:
+        return int(self.r.llen(rows_key(jid, split)))
+
+    # ---------------------------------------------------------------- leases and dispatch
+    def lease(self, items: list[str], seconds: float, now: float | None = None) -> None:
+        if items:
+            until = (now or time.time()) + seconds
+            self.r.zadd(LEASES, {i: until for i in items})
+
+    def expired_leases(self, now: float) -> list[str]:
+        return [x.decode() for x in self.r.zrangebyscore(LEASES, "-inf", now)]
+
+    def leased(self, items: list[str]) -> list[bool]:
+        if not items:
+            return []
+        return [s is not None for s in self.r.zmscore(LEASES, items)]
+
+    def drop_lease(self, *items: str) -> None:
+        if items:
+            self.r.zrem(LEASES, *items)
+
+    def gen_inflight(self, now: float) -> int:
+        self.r.zremrangebyscore(GEN_INFLIGHT, "-inf", now)
+        return int(self.r.zcard(GEN_INFLIGHT))
+
+    def add_gen_batch(self, batch_id: str, seconds: float) -> None:
+        self.r.zadd(GEN_INFLIGHT, {batch_id: time.time() + seconds})
+
+    def end_gen_batch(self, batch_id: str) -> None:
+        self.r.zrem(GEN_INFLIGHT, batch_id)
+
+    def advance_dispatched(self, jid: str, new_total: int) -> None:
+        self.r.hset(job_key(jid), "dispatched", new_total)
+
+    # ---------------------------------------------------------------- rollouts
+    def put_rollout(self, jid: str, g: int, version: int, data: dict) -> str:
+        """Store a (re)generated group; invalidates rewards of any earlier attempt. Returns the attempt id."""
+        attempt = uuid.uuid4().hex
+        p = self.r.pipeline(transaction=True)
+        k = roll_key(jid, g)
+        p.delete(k)
+        p.hset(k, mapping={"attempt": attempt, "version": version, "data": json.dumps(data)})
+        p.srem(verified_key(jid), g)
+        p.zrem(LEASES, item_name("gen", jid, g))
+        p.zadd(LEASES, {item_name("ver", jid, g): time.time() + get_settings().lease_s})
+        p.execute()
+        return attempt
+
+    def rollout(self, jid: str, g: int) -> dict | None:
+        h = self.r.hgetall(roll_key(jid, g))
+        if not h:
+            return None
+        d = {k.decode(): v for k, v in h.items()}
+        out = json.loads(d["data"])
+        out["attempt"] = d["attempt"].decode()
+        out["version"] = int(d["version"])
+        if b"rewards" in h and d.get("r_attempt") == d["attempt"]:
+            out["rewards"] = json.loads(d["rewards"])
+        return out
+
+    def accept_rewards(self, jid: str, g: int, attempt: str, rewards: dict) -> bool:
+        ok = self._accept(
+            keys=[roll_key(jid, g), verified_key(jid), LEASES],
+            args=[attempt, json.dumps(rewards), g, item_name("ver", jid, g)],
+        )
+        return bool(ok)
+
+    def verified(self, jid: str, groups: list[int]) -> list[bool]:
+        if not groups:
+            return []
+        return [bool(x) for x in self.r.smismember(verified_key(jid), groups)]
+
+    def invalidate_group(self, jid: str, g: int) -> None:
+        """Throw a group away so that it is generated again (counted as regenerated)."""
+        p = self.r.pipeline(transaction=True)
+        p.delete(roll_key(jid, g))
+        p.srem(verified_key(jid), g)
+        p.zadd(LEASES, {item_name("gen", jid, g): 0})
+        p.hincrby(job_key(jid), "regenerated", 1)
+        p.execute()
+
+    # ---------------------------------------------------------------- evaluation
+    def put_eval_rollout(self, jid: str, v: int, data: dict) -> str:
+        attempt = uuid.uuid4().hex
+        p = self.r.pipeline(transaction=True)
+        p.delete(eval_key(jid, v))
+        p.hset(eval_key(jid, v), mapping={"attempt": attempt, "version": v, "data": json.dumps(data)})
+        p.zrem(LEASES, item_name("eval", jid, v))
+        p.zadd(LEASES, {item_name("evalver", jid, v): time.time() + get_settings().lease_s})
+        p.execute()
+        return attempt
+
+    def eval_rollout(self, jid: str, v: int) -> dict | None:
+        h = self.r.hgetall(eval_key(jid, v))
+        if not h:
+            return None
+        out = json.loads(h[b"data"])
+        out["attempt"] = h[b"attempt"].decode()
+        return out
+
+    def put_eval_result(self, jid: str, v: int, result: dict) -> None:
+        p = self.r.pipeline(transaction=True)
+        p.hset(evals_key(jid), str(v), json.dumps(result))
+        p.delete(eval_key(jid, v))
+        p.zrem(LEASES, item_name("evalver", jid, v))
+        p.execute()
+
+    def evals(self, jid: str) -> dict[int, dict]:
+        return {int(k): json.loads(v) for k, v in self.r.hgetall(evals_key(jid)).items()}
+
+    def has_evals(self, jid: str, versions: list[int]) -> list[bool]:
+        return [bool(x) for x in self.r.hmget(evals_key(jid), [str(v) for v in versions])]
+
+    # ---------------------------------------------------------------- adapters and training state
+    def adapter(self, ref: AdapterRef) -> AdapterBlob:
+        cfg, w = self.r.hmget(adapter_key(ref.job_id, ref.version), ["config", "weights"])
+        if cfg is None or w is None:
+            raise NotFound(f"job {ref.job_id} has no stored adapter version {ref.version}")
+        return AdapterBlob(config=json.loads(cfg), weights=w)
+
+    def optimizer_state(self, jid: str) -> tuple[int, bytes] | None:
+        v, data = self.r.hmget(optim_key(jid), ["version", "data"])
+        if v is None:
+            return None
+        return int(v), data
+
+    def publish(
+        self,
+        jid: str,
+        t: int,
+        adapter: AdapterBlob,
+        optimizer: bytes,
+        metrics: dict,
+        lease_token: str,
+        trained_groups: list[int],
+        steps: int,
+    ) -> bool:
+        """Atomically publish version t+1 iff the job is still at version t (exactly-once)."""
+        old = t + 1 - KEEP_VERSIONS_EXTRA - 1
+        old_key = adapter_key(jid, old) if old >= 1 and old != steps else ""
+        ok = self._publish(
+            keys=[job_key(jid), adapter_key(jid, t + 1), optim_key(jid), TRAINER, verified_key(jid),
+                  metrics_key(jid), old_key],
+            args=[t, json.dumps(adapter.config), adapter.weights, optimizer, json.dumps(metrics),
+                  lease_token, time.time(), len(trained_groups), *trained_groups],
+        )
+        return bool(ok)
+
+    def metrics(self, jid: str) -> list[dict]:
+        return [json.loads(x) for x in self.r.lrange(metrics_key(jid), 0, -1)]
+
+    # ---------------------------------------------------------------- trainer lane
+    def trainer_lease(self) -> dict | None:
+        raw = self.r.get(TRAINER)
+        return json.loads(raw) if raw else None
+
+    def take_trainer(self, jid: str, version: int, seconds: float) -> str | None:
+        token = uuid.uuid4().hex
+        val = json.dumps({"token": token, "job": jid, "version": version, "since": time.time()})
+        ok = self.r.set(TRAINER, val, nx=True, px=int(seconds * 1000))
+        return token if ok else None
+
+    def release_trainer(self, token: str) -> None:
+        self._release(keys=[TRAINER], args=[token])
+
+    def advance_pass(self, jid: str, weight: float) -> None:
+        p = self.r.pipeline()
+        p.hincrbyfloat(job_key(jid), "pass", 1.0 / weight)
+        p.execute()
+        new = float(self.r.hget(job_key(jid), "pass"))
+        self.r.set(VT, new - 1.0 / weight)
+
+    # ---------------------------------------------------------------- scheduler mutex and kicks
+    def acquire_lock(self, seconds: float = 10.0) -> str | None:
+        token = uuid.uuid4().hex
+        return token if self.r.set(LOCK, token, nx=True, px=int(seconds * 1000)) else None
+
+    def release_lock(self, token: str) -> None:
+        self._release(keys=[LOCK], args=[token])
+
+    def want_kick(self) -> bool:
+        """True for the first caller since the last tick started: only that one sends a tick."""
+        return bool(self.r.set(KICK, "1", nx=True, px=5000))
+
+    def clear_kick(self) -> None:
+        self.r.delete(KICK)
+
+    # ---------------------------------------------------------------- events and workers
+    def record_event(self, station: str, start: float, end: float, jobs: list[str], worker: str,
+                     **info) -> None:
+        ev = {"station": station, "start": start, "end": end, "jobs": sorted(set(jobs)), "worker": worker}
+        ev.update(info)
+        p = self.r.pipeline()
+        p.rpush(EVENTS, json.dumps(ev))
+        p.ltrim(EVENTS, -EVENTS_CAP, -1)
+        p.execute()
+
+    def events(self, since: float = 0.0) -> list[dict]:
+        evs = [json.loads(x) for x in self.r.lrange(EVENTS, 0, -1)]
+        return [e for e in evs if e["end"] >= since]
+
+    def heartbeat(self, name: str, station: str, ttl: float = 30.0) -> None:
+        self.r.set(f"{P}worker:{name}", json.dumps({"station": station, "at": time.time()}),
+                   px=int(ttl * 1000))
+
+    def workers(self) -> dict[str, dict]:
+        keys = list(self.r.scan_iter(match=f"{P}worker:*", count=1000))
+        if not keys:
+            return {}
+        vals = self.r.mget(keys)
+        return {k.decode()[len(P) + 7:]: json.loads(v) for k, v in zip(keys, vals) if v}
+
+    def set_deployment(self, **info) -> None:
+        self.r.hset(DEPLOYMENT, mapping={k: str(v) for k, v in info.items()})
+
+    def deployment(self) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in self.r.hgetall(DEPLOYMENT).items()}
+
+
+@lru_cache(maxsize=4096)
+def spec_from_json(raw: str) -> JobSpec:
+    """Specs are immutable once stored: parse each distinct one once per process."""
+    return JobSpec.model_construct(**_revalidate(raw))
+
+
+def _revalidate(raw: str) -> dict:
+    # Stored specs were validated at submit; re-validating here would re-check dataset paths
+    # that only the submitting machine has. Rebuild nested models without validation.
+    from marlaas.spec import LoraSpec, RLSpec
+
+    d = json.loads(raw)
+    d["lora"] = LoraSpec.model_construct(**d["lora"])
+    d["rl"] = RLSpec.model_construct(**d["rl"])
+    return d

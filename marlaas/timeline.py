@@ -1,0 +1,57 @@
+"""Station timelines from the event log: busy fractions and idle gaps (pure functions).
+
+Every task records its busy interval (station, start, end). A station's busy time is the length of
+the union of its intervals (a pool with several processes counts as busy while any is); its busy
+fraction is that over the window's length.
+"""
+
+from __future__ import annotations
+
+STATIONS = ("generate", "verify", "train")
+
+
+def union_length(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Total length of the union of intervals clipped to [lo, hi]."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted((max(s, lo), min(e, hi)) for s, e in intervals):
+        if e <= s:
+            continue
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def busy_fractions(events: list[dict], lo: float, hi: float) -> dict[str, float]:
+    """Busy fraction of each station over [lo, hi]."""
+    span = max(hi - lo, 1e-9)
+    return {
+        st: round(union_length([(e["start"], e["end"]) for e in events if e["station"] == st], lo, hi) / span, 4)
+        for st in STATIONS
+    }
+
+
+def overlap_fraction(events: list[dict], a: str, b: str, lo: float, hi: float) -> float:
+    """Fraction of station a's busy time during which station b is busy too (stations overlap)."""
+    ia = [(e["start"], e["end"]) for e in events if e["station"] == a]
+    ib = [(e["start"], e["end"]) for e in events if e["station"] == b]
+    busy_a = union_length(ia, lo, hi)
+    if busy_a == 0:
+        return 0.0
+    both = sum(union_length(ib, max(s, lo), min(e, hi)) for s, e in _merge(ia))
+    return round(both / busy_a, 4)
+
+
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]

@@ -1,0 +1,1 @@
+"""Celery tasks: thin glue that takes IDs, calls `marlaas`, persists, and kicks the scheduler."""

@@ -1,0 +1,47 @@
+"""Helpers every task uses: the store, kicking the scheduler, recording station events."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from functools import lru_cache
+
+from marlaas.store import Store
+
+from tasks.app import app
+
+
+@lru_cache(maxsize=1)
+def store() -> Store:
+    return Store()
+
+
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def send(name: str, args: list) -> None:
+    app.send_task(name, args=args)
+
+
+def kick() -> None:
+    """Ask for a scheduler tick now; at most one is pending at a time."""
+    if store().want_kick():
+        app.send_task("marlaas.tick", expires=30)
+
+
+@contextlib.contextmanager
+def station_event(station: str, jobs: list[str], **info):
+    """Record the task's busy interval for the station timeline and busy fractions."""
+    start = time.time()
+    try:
+        yield info
+    finally:
+        store().record_event(station, start, time.time(), jobs, worker_name(), **info)
+
+
+def register_base(path) -> None:
+    """Record which base this deployment serves (jobs naming another base are refused at submit)."""
+    store().set_deployment(base=str(path), base_name=os.path.basename(str(path).rstrip("/")))

@@ -1,0 +1,56 @@
+"""Generate station: one engine per worker process serves every tenant's adapter in mixed batches."""
+
+from __future__ import annotations
+
+from marlaas import stations
+from marlaas.settings import get_settings
+
+from tasks.app import app
+from tasks.common import kick, register_base, send, station_event, store
+
+_engine = None
+
+
+def engine():
+    """The process's engine, created once (workers call this at start-up)."""
+    global _engine
+    if _engine is None:
+        from marlaas.engines.generation import make_engine
+
+        s = get_settings()
+        register_base(s.base_path)
+        _engine = make_engine(s.engine, s.base_path, store().adapter, threads=s.threads,
+                              cache_dir=s.home / "cache" / "adapters")
+    return _engine
+
+
+def _last_error() -> BaseException:
+    import sys
+
+    return sys.exc_info()[1]
+
+
+@app.task(name="marlaas.generate", ignore_result=True)
+def generate(batch_id: str, items: list[list]) -> dict:
+    jobs = [it[1] for it in items]
+    to_verify: dict = {}
+    try:
+        with station_event("generate", jobs, items=len(items)):
+            try:
+                to_verify = stations.run_generate(store(), engine(), items)
+            except Exception:
+                if len(set(jobs)) == 1:
+                    stations.count_failure(store(), jobs[0], "generate", _last_error())
+                    raise
+                # One job's broken adapter or prompt must not stop the others: retry per job.
+                for jid in sorted(set(jobs)):
+                    try:
+                        to_verify.update(stations.run_generate(store(), engine(), [it for it in items if it[1] == jid]))
+                    except Exception as e:
+                        stations.count_failure(store(), jid, "generate", e)
+        for (jid, kind), idxs in to_verify.items():
+            send("marlaas.verify", [jid, kind, idxs])
+    finally:
+        store().end_gen_batch(batch_id)
+        kick()
+    return {"verify": len(to_verify)}

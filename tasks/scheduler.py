@@ -1,0 +1,18 @@
+"""The scheduler tick: beat sends it every second; every finished task kicks one."""
+
+from marlaas import dispatch
+
+from tasks.app import app
+from tasks.common import send, store
+
+
+@app.task(name="marlaas.tick", ignore_result=True, acks_late=False)
+def tick() -> dict:
+    plan = dispatch.tick(store(), send)
+    if plan is None:
+        return {"skipped": "another tick holds the lock"}
+    return {
+        "gen_batches": len(plan.gen_batches),
+        "verify": len(plan.verify),
+        "train": plan.train,
+    }

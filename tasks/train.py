@@ -1,0 +1,37 @@
+"""Train station: the single trainer lane; one policy-gradient step, then publish version t+1."""
+
+from __future__ import annotations
+
+from marlaas import stations
+from marlaas.settings import get_settings
+
+from tasks.app import app
+from tasks.common import kick, register_base, station_event, store
+
+_engine = None
+
+
+def engine():
+    global _engine
+    if _engine is None:
+        from marlaas.engines.training import TrainingEngine
+
+        s = get_settings()
+        register_base(s.base_path)
+        _engine = TrainingEngine(s.base_path, threads=s.threads)
+    return _engine
+
+
+@app.task(name="marlaas.train", ignore_result=True)
+def train(job_id: str, version: int, token: str) -> dict:
+    try:
+        with station_event("train", [job_id], version=version):
+            out = stations.run_train(store(), engine(), job_id, version, token)
+    except Exception as e:
+        # Free the lane at once (other tenants go on); a job that keeps failing is stopped.
+        store().release_trainer(token)
+        stations.count_failure(store(), job_id, "train", e)
+        raise
+    finally:
+        kick()
+    return {k: v for k, v in out.items() if k in ("step", "reward_mean", "skipped", "loss")}

@@ -1,0 +1,25 @@
+import pytest
+
+from marlaas.timeline import busy_fractions, overlap_fraction, union_length
+
+pytestmark = pytest.mark.unit
+
+
+def test_union_length_hand_values():
+    # [0,2] u [1,3] = [0,3] -> 3 ; [5,6] -> 1 ; clipped to [0, 5.5]: 3 + 0.5
+    iv = [(1, 3), (0, 2), (5, 6)]
+    assert union_length(iv, 0, 10) == 4
+    assert union_length(iv, 0, 5.5) == 3.5
+    assert union_length([], 0, 1) == 0
+
+
+def test_busy_fractions_and_overlap():
+    ev = [
+        {"station": "generate", "start": 0, "end": 4},
+        {"station": "train", "start": 2, "end": 6},
+        {"station": "verify", "start": 9, "end": 10},
+    ]
+    assert busy_fractions(ev, 0, 10) == {"generate": 0.4, "verify": 0.1, "train": 0.4}
+    # generate busy [0,4], train busy during [2,4] of it -> 0.5
+    assert overlap_fraction(ev, "generate", "train", 0, 10) == 0.5
+    assert overlap_fraction(ev, "verify", "train", 0, 10) == 0.0

@@ -1,0 +1,42 @@
+"""Start-up shared by every pool: thread budget, heartbeat into the store."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from celery.signals import worker_ready, worker_shutdown
+
+
+def limit_threads(n: int) -> None:
+    """Several torch processes share the cores: give each an explicit budget before torch loads."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(var, str(n))
+
+
+def announce(station: str, on_ready=None) -> None:
+    """On worker start: run `on_ready` (load the engine) and keep a heartbeat in the store."""
+    stop = threading.Event()
+
+    @worker_ready.connect(weak=False)
+    def _ready(sender=None, **_):
+        from tasks.common import kick, store, worker_name
+
+        if on_ready is not None:
+            on_ready()
+        name = f"{station}@{worker_name()}"
+
+        def beat():
+            while not stop.is_set():
+                try:
+                    store().heartbeat(name, station, ttl=30)
+                except Exception:  # the broker may be restarting; the next beat retries
+                    pass
+                stop.wait(10)
+
+        threading.Thread(target=beat, daemon=True, name="marlaas-heartbeat").start()
+        kick()
+
+    @worker_shutdown.connect(weak=False)
+    def _shutdown(**_):
+        stop.set()
