@@ -505,8 +505,8 @@ class Store:
         evs = [json.loads(x) for x in self.r.lrange(EVENTS, 0, -1)]
         return [e for e in evs if e["end"] >= since]
 
-    def heartbeat(self, name: str, station: str, ttl: float = 30.0) -> None:
-        self.r.set(f"{P}worker:{name}", json.dumps({"station": station, "at": time.time()}),
+    def heartbeat(self, name: str, station: str, ttl: float = 30.0, **info) -> None:
+        self.r.set(f"{P}worker:{name}", json.dumps({"station": station, "at": time.time(), **info}),
                    px=int(ttl * 1000))
 
     def workers(self) -> dict[str, dict]:

@@ -14,7 +14,7 @@ def limit_threads(n: int) -> None:
         os.environ.setdefault(var, str(n))
 
 
-def announce(station: str, on_ready=None) -> None:
+def announce(station: str, on_ready=None, **info) -> None:
     """On worker start: run `on_ready` (load the engine) and keep a heartbeat in the store."""
     stop = threading.Event()
 
@@ -29,7 +29,7 @@ def announce(station: str, on_ready=None) -> None:
         def beat():
             while not stop.is_set():
                 try:
-                    store().heartbeat(name, station, ttl=30)
+                    store().heartbeat(name, station, ttl=30, **info)
                 except Exception:  # the broker may be restarting; the next beat retries
                     pass
                 stop.wait(10)

@@ -12,4 +12,4 @@ limit_threads(get_settings().threads)
 from tasks import generate as _generate  # noqa: E402
 from tasks.app import app  # noqa: E402,F401
 
-announce("generate", on_ready=_generate.engine)
+announce("generate", on_ready=_generate.engine, engine=get_settings().engine)

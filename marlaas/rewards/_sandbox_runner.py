@@ -57,6 +57,8 @@ _MOUNT_FLAGS = {
 PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 22, 38
 SECCOMP_MODE_FILTER = 2
 _ERROR_MAX = 300
+_PRELOAD = ("bisect", "collections", "copy", "dataclasses", "decimal", "fractions", "functools", "heapq",
+            "itertools", "math", "operator", "random", "re", "statistics", "string", "typing")
 _REPORT_MAX = 65536
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -113,6 +115,37 @@ def _mountpoints() -> list[tuple[str, int]]:
     return points
 
 
+def _reachable_by_others(path: str) -> bool:
+    """Can an unrelated unprivileged uid traverse to path (every ancestor has the o+x bit)?"""
+    path = os.path.abspath(path)
+    while True:
+        if not os.stat(path).st_mode & 0o001:
+            return False
+        parent = os.path.dirname(path)
+        if parent == path:
+            return True
+        path = parent
+
+
+def _expose_stdlib(base: str, iso: dict) -> dict:
+    """Bind the interpreter's library dirs under the tmpfs when a dropped uid could not reach them
+    (e.g. a pyenv under /root, mode 0700); returns {original path: visible path} for sys.path."""
+    mapping = {}
+    for n, path in enumerate(p for p in sys.path if os.path.isdir(p)):
+        if _reachable_by_others(path):
+            continue
+        target = os.path.join(base, ".lib", str(n))
+        os.makedirs(target, mode=0o755)
+        os.chmod(os.path.join(base, ".lib"), 0o755)
+        if _mount(path, target, None, MS_BIND | MS_REC) and _mount(
+            None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
+        ):
+            mapping[path] = target
+    if mapping:
+        iso["stdlib"] = "bound read-only under the batch tmpfs for the unprivileged uid"
+    return mapping
+
+
 def _private_filesystem(base: str, iso: dict, tmpfs_mb: int) -> None:
     """In our own mount namespace: nothing propagates out, everything read-only, tmpfs as the batch dir."""
     if not _mount(None, "/", None, MS_REC | MS_PRIVATE):
@@ -131,27 +164,37 @@ def _private_filesystem(base: str, iso: dict, tmpfs_mb: int) -> None:
 # ---------------------------------------------------------------- per-child hardening
 
 
-def _seccomp_program():
-    """A BPF filter: refuse sockets other than AF_UNIX, io_uring, ptrace and process_vm_*; or None."""
-    import platform
+_SYSCALLS = {  # arch id, then syscall numbers
+    "x86_64": dict(arch=0xC000003E, socket=41, kill=62, tkill=200, tgkill=234,
+                   denied=(101, 310, 311, 424, 425)),  # ptrace, process_vm_readv/writev, pidfd_send_signal, io_uring_setup
+    "aarch64": dict(arch=0xC00000B7, socket=198, kill=129, tkill=130, tgkill=131,
+                    denied=(117, 270, 271, 424, 425)),
+}
 
-    machine = platform.machine()
-    if machine == "x86_64":
-        arch, nr_socket, denied = 0xC000003E, 41, (101, 310, 311, 425)
-    elif machine == "aarch64":
-        arch, nr_socket, denied = 0xC00000B7, 198, (117, 270, 271, 425)
-    else:
+
+def _seccomp_filter(machine: str, own_pid: int | None):
+    """BPF filter: refuse sockets other than AF_UNIX, io_uring, ptrace and process_vm_*; with own_pid
+    (no pid namespace) also every signal not aimed at own_pid or its own group. None if unsupported."""
+    nr = _SYSCALLS.get(machine)
+    if nr is None:
         return None
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
     allow, deny = 0x7FFF0000, 0x00050000 | 13  # SECCOMP_RET_ERRNO | EACCES
-    kill = 0x80000000  # SECCOMP_RET_KILL_PROCESS: a foreign ABI is never legitimate here
-    ins = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, kill), (ld, 0, 0, 0)]
-    ins.append((jge, 0, 1, 0x40000000))  # x32 syscalls
-    ins.append((ret, 0, 0, deny))
-    for nr in denied:
-        ins += [(jeq, 0, 1, nr), (ret, 0, 0, deny)]
-    ins += [(jeq, 1, 0, nr_socket), (ret, 0, 0, allow)]
-    ins += [(ld, 0, 0, 16), (jeq, 0, 1, 1), (ret, 0, 0, allow), (ret, 0, 0, deny)]  # args[0] == AF_UNIX
+    kill_process = 0x80000000  # a foreign ABI is never legitimate here
+    arg0 = 16  # offsetof(struct seccomp_data, args[0]), low 32 bits on little-endian
+    ins = [(ld, 0, 0, 4), (jeq, 1, 0, nr["arch"]), (ret, 0, 0, kill_process), (ld, 0, 0, 0)]
+    ins += [(jge, 0, 1, 0x40000000), (ret, 0, 0, deny)]  # x32 syscalls
+    denied = nr["denied"] + ((nr["tkill"],) if own_pid is not None else ())
+    for n in denied:
+        ins += [(jeq, 0, 1, n), (ret, 0, 0, deny)]
+    if own_pid is not None:
+        # kill(pid, sig): allowed for own_pid and 0 (own process group; the child leads its session).
+        ins += [(jeq, 0, 5, nr["kill"]), (ld, 0, 0, arg0), (jeq, 2, 0, own_pid), (jeq, 1, 0, 0), (ret, 0, 0, deny),
+                (ret, 0, 0, allow)]
+        ins += [(jeq, 0, 4, nr["tgkill"]), (ld, 0, 0, arg0), (jeq, 1, 0, own_pid), (ret, 0, 0, deny),
+                (ret, 0, 0, allow)]
+    ins += [(jeq, 1, 0, nr["socket"]), (ret, 0, 0, allow)]
+    ins += [(ld, 0, 0, arg0), (jeq, 0, 1, 1), (ret, 0, 0, allow), (ret, 0, 0, deny)]  # AF_UNIX only
     raw = b"".join(struct.pack("HBBI", *i) for i in ins)
     buf = ctypes.create_string_buffer(raw, len(raw))
 
@@ -185,6 +228,23 @@ def _block_sockets_in_python() -> None:
         for name in ("socket", "create_connection", "create_server", "getaddrinfo", "fromfd", "socketpair"):
             if hasattr(mod, name):
                 setattr(mod, name, refused)
+
+
+def _relocate_imports(mapping: dict) -> None:
+    """Point sys.path and already-imported packages (their submodule search paths) at the bound copies."""
+
+    def moved(path):
+        for old, new in mapping.items():
+            if path == old or path.startswith(old + os.sep):
+                return new + path[len(old):]
+        return path
+
+    sys.path[:] = [moved(p) for p in sys.path]
+    for module in list(sys.modules.values()):
+        search = getattr(module, "__path__", None)
+        if isinstance(search, list):
+            search[:] = [moved(p) for p in search]
+    sys.path_importer_cache.clear()
 
 
 def _child(src, workdir, out_w, res_w, nonce, lim, uid, ctx) -> None:
@@ -226,10 +286,13 @@ def _child(src, workdir, out_w, res_w, nonce, lim, uid, ctx) -> None:
     except OSError as e:
         fail(f"sandbox setup failed: {_one_line(e)}")
     seccomp = False
-    if ctx["seccomp"] is not None and _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0:
-        seccomp = _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(ctx["seccomp"][0]), 0, 0) == 0
+    bpf = _seccomp_filter(ctx["machine"], None if ctx["pidns"] else getpid())
+    if bpf is not None and _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0:
+        seccomp = _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(bpf[0]), 0, 0) == 0
     if not ctx["netns"] and not seccomp:
         _block_sockets_in_python()
+    if ctx["lib_paths"]:
+        _relocate_imports(ctx["lib_paths"])
     sys.stdin = open(0, closefd=False)
     sys.stdout = sys.stderr = open(1, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
     ctx.clear()  # the rest of the batch stays out of reach of casual inspection
@@ -286,7 +349,10 @@ def _cleanup_after(child_pid: int, uid, ctx) -> None:
     except ProcessLookupError:
         pass
     if ctx["pidns"] and os.getpid() == 1:
-        os.kill(-1, signal.SIGKILL)  # pid 1 of our own namespace: everything else in it, never outside
+        try:
+            os.kill(-1, signal.SIGKILL)  # pid 1 of our own namespace: everything else in it, never outside
+        except ProcessLookupError:
+            pass  # nothing was left
     elif uid is not None:
         killer = os.fork()
         if killer == 0:
@@ -397,8 +463,15 @@ def _serve(programs, lim, flags, iso) -> None:
         _private_filesystem(base, iso, lim["tmpfs_mb"])
         if flags & CLONE_NEWPID:
             iso["private_proc"] = _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    first_uid = None
+    first_uid, lib_paths = None, {}
     if is_root:
+        if iso.get("private_tmp"):
+            lib_paths = _expose_stdlib(base, iso)
+        elif not all(_reachable_by_others(p) for p in sys.path if os.path.isdir(p)):
+            # No mount namespace to expose the library: preload what exercises commonly import.
+            for name in _PRELOAD:
+                __import__(name)
+            iso["stdlib"] = "not readable by the unprivileged uid: only preloaded modules importable"
         # Per-program unprivileged uids (rlimits on processes never bind root): random base per batch
         # so concurrent batches on one host do not share process counts or signal each other.
         first_uid = lim["uid_base"] + int.from_bytes(os.urandom(2), "little") % lim["uid_span"]
@@ -411,8 +484,9 @@ def _serve(programs, lim, flags, iso) -> None:
         "netns": bool(flags & CLONE_NEWNET),
         "pidns": bool(flags & CLONE_NEWPID),
         "userns": bool(flags & CLONE_NEWUSER),
-        "seccomp": _seccomp_program(),
+        "machine": os.uname().machine,
         "seccomp_seen": [],
+        "lib_paths": lib_paths,
     }
     results = []
     for i in range(len(programs)):

