@@ -55,7 +55,8 @@ def up(as_json: bool = typer.Option(False, "--json")):
 
     url = _ensure_up(quiet=as_json)
     if not _emit({"redis_url": url, "flower": "http://127.0.0.1:5555"}, as_json):
-        console.print(f"stack up: Redis {url}, Flower http://127.0.0.1:5555 (logs under {embedded.get_settings().home / 'logs'})")
+        logs = embedded.get_settings().home / "logs"
+        console.print(f"stack up: Redis {url}, Flower http://127.0.0.1:5555 (logs under {logs})")
 
 
 def _ensure_up(quiet: bool = False) -> str:

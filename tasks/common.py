@@ -9,7 +9,6 @@ import time
 from functools import lru_cache
 
 from marlaas.store import Store
-
 from tasks.app import app
 
 

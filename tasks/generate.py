@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from marlaas import stations
 from marlaas.settings import get_settings
-
 from tasks.app import app
 from tasks.common import kick, register_base, send, station_event, store
 

@@ -1,7 +1,6 @@
 """Verify station: verifiers and the code sandbox score completions (CPU pool)."""
 
 from marlaas import stations
-
 from tasks.app import app
 from tasks.common import kick, station_event, store
 

@@ -4,7 +4,6 @@
 """
 
 from marlaas.settings import get_settings
-
 from workers.common import announce, limit_threads
 
 limit_threads(get_settings().threads)

@@ -4,7 +4,6 @@
 """
 
 from tasks.app import app  # noqa: F401
-
 from workers.common import announce
 
 announce("verify")
