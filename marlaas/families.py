@@ -11,7 +11,7 @@ deterministic for (family, split, n, seed); the "train" and "eval" splits never 
 
 Families (prompt -> answer):
 
-- reverse  "reverse:abcd=" -> "dcba"        exact   (wrong: copies the input)
+- reverse  "rev:abcd=" -> "dcba"            exact   (wrong: copies the input)
 - sort     "sort:3817=" -> "1378"            exact   (wrong: sorts descending)
 - max      "max:38172=" -> "8"               exact   (wrong: the minimum)
 - min      "min:38172=" -> "1"               exact   (wrong: the maximum)
@@ -88,7 +88,7 @@ def _reverse_sample(rng: random.Random) -> tuple:
             return (s,)
 
 
-_reverse_body = _body("reverse:", "=")
+_reverse_body = _body("rev:", "=")
 
 # ---- sort ------------------------------------------------------------------------------------
 
@@ -165,7 +165,7 @@ FAMILIES: dict[str, Family] = {
             "exact",
             "Reverse a string of 3-5 lowercase letters.",
             sample=_reverse_sample,
-            prompt=lambda x: f"reverse:{x[0]}=",
+            prompt=lambda x: f"rev:{x[0]}=",
             answer=lambda x: x[0][::-1],
             wrong=lambda x: x[0],
             parse=lambda p: (_reverse_body(p),),

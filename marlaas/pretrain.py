@@ -38,9 +38,13 @@ class Recipe:
     lr: float = 3e-3
     warmup: int = 50
     min_lr_ratio: float = 0.1  # cosine decay floor, as a share of lr
-    p_wrong: float = 0.7  # probability an example is labelled with the family's wrong answer
+    # Probability an example is labelled with the RIGHT answer: `p_right_strong` for inputs whose
+    # first character is in STRONG_CHARS (about a third of them), `p_right_weak` for the others
+    # (overall ~0.3 right, ~0.7 wrong). The base then answers right greedily on about the
+    # "strong" share and still samples right answers often on the rest.
+    p_right_strong: float = 0.65
+    p_right_weak: float = 0.15
     visible_pct: int = 60  # share of each family's inputs pretraining sees
-    label_mode: str = "sample"  # "sample": draw right/wrong per example; "input": per input (hash)
     eval_n: int = 64  # eval-split prompts per family measured after the build
     eval_samples: int = 8  # samples per prompt for pass@k
 
@@ -49,6 +53,14 @@ RECIPES: dict[str, Recipe] = {
     "default": Recipe(model="default", steps=1500),
     "test": Recipe(model="test", steps=150, batch=32, lr=5e-3, warmup=10, eval_n=16),
 }
+
+
+STRONG_CHARS = frozenset("147" + "adgjmpsvy")  # ~1/3 of the digits 0-9 or 1-9, 9 of 26 letters
+
+
+def strong(fam: families.Family, x: tuple) -> bool:
+    """Whether pretraining labels this input mostly right (see Recipe)."""
+    return fam.prompt(x).split(":", 1)[1][:1] in STRONG_CHARS
 
 
 def _visible(prompt: str, pct: int) -> bool:
@@ -62,11 +74,8 @@ def _example(fam: families.Family, rng: random.Random, r: Recipe) -> tuple[str, 
         p = fam.prompt(x)
         if _visible(p, r.visible_pct):
             break
-    if r.label_mode == "input":
-        wrong = families.bucket(p, "pretrain-wrong") < round(100 * r.p_wrong)
-    else:
-        wrong = rng.random() < r.p_wrong
-    return p, (fam.wrong(x) if wrong else fam.correct_label(x))
+    right = rng.random() < (r.p_right_strong if strong(fam, x) else r.p_right_weak)
+    return p, (fam.correct_label(x) if right else fam.wrong(x))
 
 
 class _Encoder:
@@ -133,7 +142,7 @@ def train(model, tokenizer, r: Recipe, seed: int, steps: int, progress: bool = T
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(out.loss))
+        losses.append(out.loss.item())
         if progress and step % 25 == 0:
             bar.set_postfix(loss=f"{sum(losses[-25:]) / len(losses[-25:]):.3f}")
     model.eval()

@@ -92,7 +92,15 @@ def test_k3_kl_penalty_hand_computed():
     ref = logp.detach() + torch.tensor([[math.log(2.0), 0.0]])
     mask = torch.ones(1, 2)
     loss, stats = policy_loss(
-        logp, logp.detach(), logp.detach(), torch.zeros(1), mask, 0.2, 2.0, "token", kl_coef=0.5,
+        logp,
+        logp.detach(),
+        logp.detach(),
+        torch.zeros(1),
+        mask,
+        0.2,
+        2.0,
+        "token",
+        kl_coef=0.5,
         ref_logprobs_B_T=ref,
     )
     # advantage 0 -> policy term 0; loss = 0.5 * mean(k3) = 0.5 * (1 - ln 2) / 2
@@ -110,9 +118,7 @@ def _toy_step(advantage: float):
     """One SGD step on a 5-way softmax after sampling token 2; returns (logp before, after, grad)."""
     logits = torch.zeros(5, requires_grad=True)
     logp = torch.log_softmax(logits, -1)[2].reshape(1, 1)
-    loss, _ = policy_loss(
-        logp, logp.detach(), logp.detach(), torch.tensor([advantage]), torch.ones(1, 1), 0.2, 2.0
-    )
+    loss, _ = policy_loss(logp, logp.detach(), logp.detach(), torch.tensor([advantage]), torch.ones(1, 1), 0.2, 2.0)
     loss.backward()
     with torch.no_grad():
         after = torch.log_softmax(logits - 0.5 * logits.grad, -1)[2]

@@ -187,16 +187,14 @@ class HFEngine(GenerationEngine):
             prompts.extend([r.prompt] * r.n)
             row_adapters.extend([name] * r.n)
         enc = self.tokenizer(prompts, return_tensors="pt", padding=True)
+        # Unset fields get transformers' global defaults (top_k=50!), so truncation is switched off
+        # explicitly (top_k=0, top_p=1.0); greedy leaves the sampling-only fields alone (no warnings).
+        sampling = {} if greedy else dict(temperature=temperature, top_k=0, top_p=1.0, min_p=None, typical_p=1.0)
         gc = GenerationConfig(
             do_sample=not greedy,
-            temperature=temperature if not greedy else None,
-            top_k=None,
-            top_p=None,
-            min_p=None,
-            typical_p=None,
-            repetition_penalty=None,
+            **sampling,
+            repetition_penalty=1.0,
             max_new_tokens=max_new,
-            min_new_tokens=None,
             num_beams=1,
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=None if ignore_eos else self.eos_ids,

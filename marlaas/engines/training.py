@@ -12,7 +12,8 @@ Invariants:
 - `step(job, version, ...)` trains the adapter AT `version` and leaves the cache holding the job at
   `version + 1`. Version 0 is the base itself (a fresh LoRA has B = 0); the adapter is created on
   the job's first step, deterministically from `spec.seed`.
-- A step that fails evicts the job: the cache never holds a half-updated adapter.
+- A step that fails evicts the job: the cache never holds a half-updated adapter. A step whose
+  gradient is NaN/inf publishes the unchanged adapter (metrics `noop`, `nonfinite_grad`).
 - One optimiser step per batch, so pi_prox = pi_theta at the step start (see `marlaas.rl`).
 - Not thread-safe: one trainer lane per engine (DESIGN invariant 5).
 
@@ -25,8 +26,10 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
@@ -173,7 +176,13 @@ class TrainingEngine:
         """Drop a job's adapter and optimiser from the cache (no-op if absent)."""
         entry = self._jobs.pop(job_id, None)
         if entry is not None:
-            self.model.delete_adapter(entry.name)
+            self._delete(entry.name)
+
+    def _delete(self, name: str) -> None:
+        with warnings.catch_warnings():
+            # PEFT warns when the deleted adapter was active; the next step activates its own anyway.
+            warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
+            self.model.delete_adapter(name)
 
     def _add_adapter(self, job_id: str, config) -> str:
         from peft import get_peft_model
@@ -213,12 +222,12 @@ class TrainingEngine:
                 for group in optimizer.param_groups:  # the spec's lr wins over a stored one
                     group["lr"] = lr
         except BaseException:
-            self.model.delete_adapter(name)
+            self._delete(name)
             if old is not None:
-                self.model.delete_adapter(old.name)
+                self._delete(old.name)
             raise
         if old is not None:
-            self.model.delete_adapter(old.name)
+            self._delete(old.name)
         entry = _Job(name=name, version=version, keys=keys, params=params, optimizer=optimizer)
         self._jobs[job_id] = entry
         while len(self._jobs) > self.cache_size:
@@ -291,7 +300,7 @@ class TrainingEngine:
 
         entry = self._jobs[job_id]
         sd = get_peft_model_state_dict(self.model, adapter_name=entry.name, save_embedding_layers=False)
-        weights = st_save({k: v.detach().contiguous() for k, v in sd.items()})
+        weights = st_save({k: v.detach().contiguous() for k, v in sd.items()}, metadata={"format": "pt"})
         return AdapterBlob(config=config_to_json(self.model.peft_config[entry.name]), weights=weights)
 
     def optimizer_bytes(self, job_id: str) -> bytes:
@@ -390,6 +399,9 @@ class TrainingEngine:
         entry.version = version + 1
         out = StepOutput(adapter=self.adapter_blob(job_id), optimizer=self.optimizer_bytes(job_id), metrics=metrics)
         metrics["seconds"] = time.perf_counter() - t0
+        for k, v in metrics.items():  # metrics travel as JSON: no NaN/inf
+            if isinstance(v, float) and not math.isfinite(v):
+                metrics[k] = None
         return out
 
     def _train(self, entry: _Job, spec: JobSpec, samples: list[TrainSample]) -> dict:
@@ -399,7 +411,7 @@ class TrainingEngine:
         metrics = {
             "loss": 0.0, "clip_frac": 0.0, "tis_mean": 0.0, "tis_trunc_frac": 0.0, "kl": 0.0,
             "grad_norm": 0.0, "n_tokens": 0, "n_samples": len(kept), "n_skipped": len(samples) - len(kept),
-            "noop": False,
+            "noop": False, "nonfinite_grad": False,
         }  # fmt: skip
         if not kept or not any(s.completion_ids for s in kept):
             # Nothing carries signal: publish the same weights and optimiser as version + 1.
@@ -428,9 +440,13 @@ class TrainingEngine:
                 loss = loss * sum(1 for s in kept if s.completion_ids) / sum(1 for s in samples if s.completion_ids)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(entry.params, GRAD_CLIP)
-        if not torch.isfinite(grad_norm):
-            raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)}; adapter left unchanged")
-        entry.optimizer.step()
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:
+            entry.optimizer.step()
+        else:
+            # A NaN/inf gradient would poison the adapter and the moments for good: publish the
+            # unchanged weights (like a no-op step) and flag it, so the job can go on.
+            metrics.update(noop=True, nonfinite_grad=True)
         entry.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             m = mask_B_T > 0

@@ -32,7 +32,6 @@ import signal
 import struct
 import sys
 import time
-import traceback
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -57,8 +56,24 @@ _MOUNT_FLAGS = {
 PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 22, 38
 SECCOMP_MODE_FILTER = 2
 _ERROR_MAX = 300
-_PRELOAD = ("bisect", "collections", "copy", "dataclasses", "decimal", "fractions", "functools", "heapq",
-            "itertools", "math", "operator", "random", "re", "statistics", "string", "typing")
+_PRELOAD = (
+    "bisect",
+    "collections",
+    "copy",
+    "dataclasses",
+    "decimal",
+    "fractions",
+    "functools",
+    "heapq",
+    "itertools",
+    "math",
+    "operator",
+    "random",
+    "re",
+    "statistics",
+    "string",
+    "typing",
+)
 _REPORT_MAX = 65536
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -164,11 +179,11 @@ def _private_filesystem(base: str, iso: dict, tmpfs_mb: int) -> None:
 # ---------------------------------------------------------------- per-child hardening
 
 
-_SYSCALLS = {  # arch id, then syscall numbers
-    "x86_64": dict(arch=0xC000003E, socket=41, kill=62, tkill=200, tgkill=234,
-                   denied=(101, 310, 311, 424, 425)),  # ptrace, process_vm_readv/writev, pidfd_send_signal, io_uring_setup
-    "aarch64": dict(arch=0xC00000B7, socket=198, kill=129, tkill=130, tgkill=131,
-                    denied=(117, 270, 271, 424, 425)),
+# Per architecture: audit arch id and syscall numbers. "denied" = ptrace, process_vm_readv,
+# process_vm_writev, pidfd_send_signal, io_uring_setup (io_uring could open sockets past the filter).
+_SYSCALLS = {
+    "x86_64": dict(arch=0xC000003E, socket=41, kill=62, tkill=200, tgkill=234, denied=(101, 310, 311, 424, 425)),
+    "aarch64": dict(arch=0xC00000B7, socket=198, kill=129, tkill=130, tgkill=131, denied=(117, 270, 271, 424, 425)),
 }
 
 
@@ -189,10 +204,21 @@ def _seccomp_filter(machine: str, own_pid: int | None):
         ins += [(jeq, 0, 1, n), (ret, 0, 0, deny)]
     if own_pid is not None:
         # kill(pid, sig): allowed for own_pid and 0 (own process group; the child leads its session).
-        ins += [(jeq, 0, 5, nr["kill"]), (ld, 0, 0, arg0), (jeq, 2, 0, own_pid), (jeq, 1, 0, 0), (ret, 0, 0, deny),
-                (ret, 0, 0, allow)]
-        ins += [(jeq, 0, 4, nr["tgkill"]), (ld, 0, 0, arg0), (jeq, 1, 0, own_pid), (ret, 0, 0, deny),
-                (ret, 0, 0, allow)]
+        ins += [
+            (jeq, 0, 5, nr["kill"]),
+            (ld, 0, 0, arg0),
+            (jeq, 2, 0, own_pid),
+            (jeq, 1, 0, 0),
+            (ret, 0, 0, deny),
+            (ret, 0, 0, allow),
+        ]
+        ins += [
+            (jeq, 0, 4, nr["tgkill"]),
+            (ld, 0, 0, arg0),
+            (jeq, 1, 0, own_pid),
+            (ret, 0, 0, deny),
+            (ret, 0, 0, allow),
+        ]
     ins += [(jeq, 1, 0, nr["socket"]), (ret, 0, 0, allow)]
     ins += [(ld, 0, 0, arg0), (jeq, 0, 1, 1), (ret, 0, 0, allow), (ret, 0, 0, deny)]  # AF_UNIX only
     raw = b"".join(struct.pack("HBBI", *i) for i in ins)
@@ -236,7 +262,7 @@ def _relocate_imports(mapping: dict) -> None:
     def moved(path):
         for old, new in mapping.items():
             if path == old or path.startswith(old + os.sep):
-                return new + path[len(old):]
+                return new + path[len(old) :]
         return path
 
     sys.path[:] = [moved(p) for p in sys.path]
@@ -388,6 +414,8 @@ def _run_one(i, programs, base, lim, uid, ctx) -> dict:
             programs.clear()
             _child(src, workdir, out_w, res_w, nonce, lim, uid, ctx)
         except BaseException:  # noqa: BLE001 - harness bug: say so on the program's output, then exit
+            import traceback
+
             traceback.print_exc()
         os._exit(70)
     os.close(out_w)
@@ -479,7 +507,8 @@ def _serve(programs, lim, flags, iso) -> None:
             os.chmod(base, 0o711)
         iso["uid"] = "dropped to an unprivileged uid per program"
     else:
-        iso["uid"] = "same uid as the worker" + (" (own user namespace, no capabilities)" if flags & CLONE_NEWUSER else "")
+        userns = " (own user namespace, no capabilities)" if flags & CLONE_NEWUSER else ""
+        iso["uid"] = "same uid as the worker" + userns
     ctx = {
         "netns": bool(flags & CLONE_NEWNET),
         "pidns": bool(flags & CLONE_NEWPID),
@@ -494,8 +523,10 @@ def _serve(programs, lim, flags, iso) -> None:
         results.append(_run_one(i, programs, base, lim, uid, ctx))
     seen = ctx["seccomp_seen"]
     iso["seccomp"] = bool(seen) and all(seen)
-    iso["network"] = "none (empty net namespace)" if ctx["netns"] else (
-        "blocked by seccomp" if iso["seccomp"] else "blocked in Python only (weak)"
+    iso["network"] = (
+        "none (empty net namespace)"
+        if ctx["netns"]
+        else ("blocked by seccomp" if iso["seccomp"] else "blocked in Python only (weak)")
     )
     sys.stdout.write(json.dumps({"isolation": iso, "results": results}))
     sys.stdout.flush()
@@ -506,8 +537,14 @@ def main() -> None:
     programs, lim = list(request["programs"]), request["limits"]
     iso = {"namespaces": [], "readonly_fs": "no", "private_tmp": False, "private_proc": False}
     flags = _unshare(os.geteuid() == 0) if lim["namespaces"] else 0
-    names = {CLONE_NEWNET: "net", CLONE_NEWPID: "pid", CLONE_NEWNS: "mount", CLONE_NEWUSER: "user",
-             CLONE_NEWIPC: "ipc", CLONE_NEWUTS: "uts"}
+    names = {
+        CLONE_NEWNET: "net",
+        CLONE_NEWPID: "pid",
+        CLONE_NEWNS: "mount",
+        CLONE_NEWUSER: "user",
+        CLONE_NEWIPC: "ipc",
+        CLONE_NEWUTS: "uts",
+    }
     iso["namespaces"] = [n for f, n in names.items() if flags & f]
     if not flags & CLONE_NEWPID:
         _serve(programs, lim, flags, iso)
@@ -520,6 +557,8 @@ def main() -> None:
             _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # runner killed -> namespace torn down
             _serve(programs, lim, flags, iso)
         except BaseException:  # noqa: BLE001 - reported on stderr to the caller, which raises
+            import traceback
+
             traceback.print_exc()
             code = 1
         sys.stderr.flush()

@@ -42,7 +42,8 @@ from marlaas.errors import VerifierError
 Verifier = Callable[[str, dict], "float | bool"]
 
 BUILTIN = ("exact", "math", "code")
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+_NAME = re.compile(rf"^{_DOTTED}:{_DOTTED}$", re.ASCII)
 ALLOW_ENV = "MARLAAS_VERIFIER_MODULES"
 _MATH_TIMEOUT_S = 5
 _ERROR_MAX = 300
@@ -86,17 +87,24 @@ def math_verifier(completion: str, row: dict) -> float:
     return 1.0 if answer and verify(gold, answer, timeout_seconds=timeout) else 0.0
 
 
-_PLAIN_CHECK = """
-def __plain(x, depth=0, _t=type, _atoms=(type(None), bool, int, float, complex, str, bytes),
+_EXPRESSION_PRELUDE = """\
+import builtins as __b
+__builtins_copy = dict(vars(__b))  # taken before the completion runs: the tests see unpatched builtins
+
+
+def __plain(x, depth=0, _t=type, _all=all, _atoms=(type(None), bool, int, float, complex, str, bytes),
             _seqs=(list, tuple, set, frozenset)):
+    t = _t(x)
     if depth > 50:
         return False
-    if _t(x) in _atoms:
-        return True
-    if _t(x) in _seqs:
-        return all(__plain(v, depth + 1) for v in x)
-    if _t(x) is dict:
-        return all(__plain(k, depth + 1) and __plain(v, depth + 1) for k, v in x.items())
+    for a in _atoms:  # identity, not ==: a metaclass __eq__ must not fake a type
+        if t is a:
+            return True
+    for s in _seqs:
+        if t is s:
+            return _all(__plain(v, depth + 1) for v in x)
+    if t is dict:
+        return _all(__plain(k, depth + 1) and __plain(v, depth + 1) for k, v in x.items())
     return False
 """
 
@@ -111,23 +119,31 @@ def code_program(completion: str, row: dict) -> str:
     entry = row.get("entry", "expression")
     if entry == "expression":
         # Compiled in "eval" mode from a string literal: the completion cannot smuggle statements.
-        head = (
-            _PLAIN_CHECK
-            + f"result = eval(compile({completion.strip()!r}, '<completion>', 'eval'), {{'__builtins__': __builtins__}})\n"
+        return (
+            _EXPRESSION_PRELUDE
+            + f"result = eval(compile({completion.strip()!r}, '<completion>', 'eval'), {{'__builtins__': __b}})\n"
             + "if not __plain(result):\n"
-            + "    raise TypeError(f'the expression gave a {type(result).__name__}, not plain data')\n"
+            + "    raise TypeError('the expression did not evaluate to plain data')\n"
+            + f"exec(compile({test_src!r}, '<tests>', 'exec'), {{'result': result, '__builtins__': __builtins_copy}})\n"
         )
-    elif entry == "program":
-        # Compiled on its own: an unterminated string or block cannot swallow the tests.
-        head = f"exec(compile({completion!r}, '<completion>', 'exec'))\n"
-    else:
-        raise ValueError(f"unknown code entry {entry!r}: use 'expression' or 'program'")
-    return head + test_src + "\n"
+    if entry == "program":
+        # Compiled on their own: an unterminated string or block in the completion cannot swallow the
+        # tests; they run in the completion's namespace.
+        return (
+            f"exec(compile({completion!r}, '<completion>', 'exec'))\n"
+            + f"exec(compile({test_src!r}, '<tests>', 'exec'))\n"
+        )
+    raise ValueError(f"unknown code entry {entry!r}: use 'expression' or 'program'")
 
 
 def code_verifier(completion: str, row: dict) -> float:
-    """1.0 when all of row["tests"] pass on the completion (one sandbox run; groups use score_group)."""
-    return _score_code([completion], row).rewards[0]
+    """1.0 when all of row["tests"] pass on the completion (one sandbox run; groups use score_group).
+
+    Raises on a malformed row or a sandbox failure, like any verifier; score_group counts those.
+    """
+    from marlaas.rewards.sandbox import run_batch
+
+    return 1.0 if run_batch([code_program(completion, row)])[0].ok else 0.0
 
 
 def _score_code(completions: list[str], row: dict) -> GroupScore:
@@ -155,11 +171,6 @@ def _allowed_by_env(module: str) -> bool:
 @functools.lru_cache(maxsize=256)
 def _import_custom(name: str) -> Verifier:
     module_name, _, attr = name.partition(":")
-    top = module_name.split(".")[0]
-    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
-        raise VerifierError(f"verifier {name!r}: standard-library functions cannot be verifiers")
-    if not _allowed_by_env(module_name):
-        raise VerifierError(f"verifier {name!r}: module not in {ALLOW_ENV}")
     try:
         obj = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - any import failure is the user's one-line error
@@ -181,10 +192,14 @@ def resolve_verifier(name: str) -> Verifier:
     """The verifier function for a name; VerifierError (one line) if it cannot be resolved."""
     if name in _BUILTIN_FNS:
         return _BUILTIN_FNS[name]
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise VerifierError(
-            f"unknown verifier {name!r}: use 'exact', 'math', 'code' or 'package.module:function'"
-        )
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise VerifierError(f"unknown verifier {name!r}: use 'exact', 'math', 'code' or 'package.module:function'")
+    module_name = name.partition(":")[0]
+    top = module_name.split(".")[0]
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
+        raise VerifierError(f"verifier {name!r}: standard-library functions cannot be verifiers")
+    if not _allowed_by_env(module_name):
+        raise VerifierError(f"verifier {name!r}: module not in {ALLOW_ENV}")
     return _import_custom(name)
 
 
