@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 # Every process of the test run (and the workers it starts) lives under one private home.
 _HOME = Path(tempfile.mkdtemp(prefix="marlaas-test-"))
 os.environ["MARLAAS_HOME"] = str(_HOME)
+atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
 os.environ.pop("MARLAAS_REDIS_URL", None)
 os.environ.setdefault("MARLAAS_THREADS", "1")
 
