@@ -98,7 +98,7 @@ def run_generate(store: Store, engine, items: list[list]) -> dict[tuple[str, str
 
 def run_verify(store: Store, jid: str, kind: str, idxs: list[int]) -> int:
     """Score groups (kind 'train') or a held-out evaluation (kind 'eval'); returns items accepted."""
-    from marlaas.rewards import score_group
+    from marlaas.rewards import score_groups
 
     status = store.job_fields(jid, "status")[0]
     if status not in ("running", "evaluating"):
@@ -106,29 +106,26 @@ def run_verify(store: Store, jid: str, kind: str, idxs: list[int]) -> int:
     spec = store.spec(jid)
     verifier = spec.verifier_name()
     accepted = 0
-    for idx in idxs:
-        if kind == "train":
-            roll = store.rollout(jid, idx)
-            if roll is None:
-                continue
-            res = score_group(verifier, roll["row"], [c["text"] for c in roll["completions"]])
+    if kind == "train":
+        rolls = [(g, r) for g in idxs if (r := store.rollout(jid, g)) is not None]
+        scores = score_groups(verifier, [(r["row"], [c["text"] for c in r["completions"]]) for _, r in rolls])
+        for (g, roll), res in zip(rolls, scores):
             if res.errors:
                 store.incr_field(jid, "verify_errors", res.errors)
-                log.warning("job %s group %s: %d verifier errors: %s", jid, idx, res.errors, res.error)
-            accepted += store.accept_rewards(jid, idx, roll["attempt"],
-                                             {"rewards": res.rewards, "errors": res.errors})
-        else:
-            ev = store.eval_rollout(jid, idx)
-            if ev is None:
-                continue
-            correct = 0.0
-            for r in ev["rows"]:
-                correct += score_group(verifier, r["row"], [r["text"]]).rewards[0]
-            n = len(ev["rows"])
-            store.put_eval_result(jid, idx, {"acc": correct / max(n, 1), "n": n, "at": time.time()})
-            accepted += 1
-            if all(store.has_evals(jid, [0, spec.steps])):
-                store.set_status(jid, "done")
+                log.warning("job %s group %s: %d verifier errors: %s", jid, g, res.errors, res.error)
+            accepted += store.accept_rewards(jid, g, roll["attempt"], {"rewards": res.rewards, "errors": res.errors})
+        return accepted
+    for v in idxs:
+        ev = store.eval_rollout(jid, v)
+        if ev is None:
+            continue
+        scores = score_groups(verifier, [(r["row"], [r["text"]]) for r in ev["rows"]])
+        n = len(ev["rows"])
+        acc = sum(s.rewards[0] for s in scores) / max(n, 1)
+        store.put_eval_result(jid, v, {"acc": acc, "n": n, "at": time.time()})
+        accepted += 1
+        if all(store.has_evals(jid, [0, spec.steps])):
+            store.set_status(jid, "done")
     return accepted
 
 

@@ -170,3 +170,23 @@ def test_code_verifier_alone():
     assert code_verifier("3 * 3", {"tests": ["assert result == 9"]}) == 1.0
     with pytest.raises(ValueError, match="tests"):
         code_verifier("1", {"answer": "1"})
+
+
+def test_score_groups_batches_code_and_matches_per_group(monkeypatch):
+    from marlaas.rewards import sandbox as sb
+    from marlaas.rewards import score_group, score_groups
+
+    calls = []
+    real = sb.run_batch
+    monkeypatch.setattr(sb, "run_batch", lambda progs, limits=None: calls.append(len(progs)) or real(progs, limits))
+    items = [
+        ({"tests": ["assert result == 17"]}, ["9+8", "9+9"]),
+        ({"tests": "not a list"}, ["1"]),  # malformed row: its own errors, others unaffected
+        ({"tests": ["assert result == 3"]}, ["1+2", "2+1", "4"]),
+    ]
+    got = score_groups("code", items)
+    assert calls == [5]  # one sandbox batch for both valid groups
+    assert [g.rewards for g in got] == [[1.0, 0.0], [0.0], [1.0, 1.0, 0.0]]
+    assert got[1].errors == 1 and got[0].errors == got[2].errors == 0
+    assert [g.rewards for g in got] == [score_group("code", r, c).rewards for r, c in items]
+    assert [g.rewards for g in score_groups("exact", [({"answer": "a"}, ["a", "b"])])] == [[1.0, 0.0]]

@@ -15,6 +15,7 @@ from marlaas.rewards.verifiers import (
     math_verifier,
     resolve_verifier,
     score_group,
+    score_groups,
 )
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "math_verifier",
     "resolve_verifier",
     "score_group",
+    "score_groups",
 ]

@@ -236,3 +236,33 @@ def score_group(verifier: str, row: dict, completions: list[str]) -> GroupScore:
             errors += 1
             first = first or _one_line(e)
     return GroupScore(rewards=rewards, errors=errors, error=first)
+
+
+def score_groups(verifier: str, items: list[tuple[dict, list[str]]]) -> list[GroupScore]:
+    """Score several groups at once: for `code`, every completion of every group in ONE sandbox batch
+    (a batch's fixed cost is most of a small group's cost). Same contract as `score_group`."""
+    if verifier != "code":
+        return [score_group(verifier, row, comps) for row, comps in items]
+    from marlaas.rewards.sandbox import SandboxError, run_batch
+
+    out: list[GroupScore | None] = [None] * len(items)
+    programs: list[str] = []
+    spans: list[tuple[int, int, int]] = []  # (item index, first program, count)
+    for i, (row, comps) in enumerate(items):
+        try:
+            progs = [code_program(c, row) for c in comps]
+        except (ValueError, TypeError, SyntaxError) as e:
+            out[i] = GroupScore(rewards=[0.0] * len(comps), errors=len(comps), error=_one_line(e))
+            continue
+        spans.append((i, len(programs), len(progs)))
+        programs += progs
+    if programs:
+        try:
+            results = run_batch(programs)
+        except SandboxError as e:
+            for i, _, n in spans:
+                out[i] = GroupScore(rewards=[0.0] * n, errors=n, error=_one_line(e))
+        else:
+            for i, start, n in spans:
+                out[i] = GroupScore(rewards=[1.0 if r.ok else 0.0 for r in results[start:start + n]])
+    return [s for s in out if s is not None]
