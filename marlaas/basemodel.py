@@ -10,6 +10,7 @@ Invariant: the build is deterministic for a given preset and seed.
 
 from __future__ import annotations
 
+import json
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,8 @@ PRESETS: dict[str, ModelPreset] = {
     # ~1M parameters: the CPU default (FACTS.md's recipe).
     "default": ModelPreset(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=512, positions=128),
     # ~0.1M parameters: tests.
-    "test": ModelPreset(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, positions=64),
+    # head size 32: vLLM's CPU attention supports no smaller head.
+    "test": ModelPreset(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, positions=64),
 }
 
 
@@ -103,3 +105,26 @@ def save(model, tokenizer, out_dir: Path) -> Path:
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def load_tokenizer(base_path: str | Path):
+    """The tokenizer a model directory was saved with.
+
+    A directory whose tokenizer_config.json names a generic fast tokenizer ("TokenizersBackend",
+    "PreTrainedTokenizerFast", or nothing) is loaded from tokenizer.json exactly as saved; anything
+    else goes through AutoTokenizer. Left padding; pad falls back to EOS.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = Path(base_path)
+    cfg_file = path / "tokenizer_config.json"
+    cls = json.loads(cfg_file.read_text()).get("tokenizer_class") if cfg_file.exists() else None
+    generic = cls is None or cls.removesuffix("Fast") in ("TokenizersBackend", "PreTrainedTokenizer")
+    if generic and (path / "tokenizer.json").exists():
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    else:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from marlaas.data import job_rows
 from marlaas.engines.types import AdapterRef
-from marlaas.errors import BaseModelError, MarlaasError, NotFound
+from marlaas.errors import BaseModelError, MarlaasError, NotFound, SpecError
+from marlaas.settings import get_settings
 from marlaas.spec import JobSpec, parse_spec
 from marlaas.store import Store
 
@@ -40,6 +41,9 @@ class Client:
             raise BaseModelError(
                 f"this deployment serves base {dep['base_name']!r}, not {spec.base_model!r}"
             )
+        max_rank = int(dep.get("max_lora_rank") or get_settings().max_lora_rank)
+        if spec.lora.rank > max_rank:
+            raise SpecError(f"invalid job spec: lora.rank: {spec.lora.rank} exceeds this deployment's maximum {max_rank}")
         train, held = job_rows(spec)
         return Job(self, self.store.create_job(spec, train, held))
 

@@ -10,6 +10,7 @@
 | MARLAAS_THREADS | torch/OMP threads per engine process | 1 |
 | MARLAAS_GEN_BATCH_ROWS | most completions one generate task samples | 256 |
 | MARLAAS_LEASE_S | seconds before unfinished work is re-dispatched | 120 |
+| MARLAAS_MAX_LORA_RANK | largest LoRA rank a job may ask for (vLLM's CPU LoRA cost follows it) | 16 |
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class Settings(BaseSettings):
     """Torch / OpenMP threads per engine process (several processes share the cores)."""
     gen_batch_rows: int = Field(256, ge=1, le=65536)
     """Most completions (rows) one generate task samples, across jobs."""
+    max_lora_rank: int = Field(16, ge=1, le=256)
+    """Largest LoRA rank a job may use; the vLLM engine is sized for it (its CPU cost follows it)."""
     lease_s: float = Field(120.0, gt=0)
     """Seconds after which dispatched work that has not finished is dispatched again."""
     train_lease_s: float = Field(300.0, gt=0)

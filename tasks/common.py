@@ -43,4 +43,7 @@ def station_event(station: str, jobs: list[str], **info):
 
 def register_base(path) -> None:
     """Record which base this deployment serves (jobs naming another base are refused at submit)."""
-    store().set_deployment(base=str(path), base_name=os.path.basename(str(path).rstrip("/")))
+    from marlaas.settings import get_settings
+
+    store().set_deployment(base=str(path), base_name=os.path.basename(str(path).rstrip("/")),
+                           max_lora_rank=get_settings().max_lora_rank)

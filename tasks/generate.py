@@ -18,8 +18,9 @@ def engine():
 
         s = get_settings()
         register_base(s.base_path)
+        extra = {"max_lora_rank": s.max_lora_rank} if s.engine == "vllm" else {}
         _engine = make_engine(s.engine, s.base_path, store().adapter, threads=s.threads,
-                              cache_dir=s.home / "cache" / "adapters")
+                              cache_dir=s.home / "cache" / "adapters", **extra)
     return _engine
 
 

@@ -3,7 +3,7 @@
 One random tiny Qwen2 and two random non-zero LoRA adapters (different ranks and target modules)
 are built once per session. For each engine:
 (a) the returned log-probs equal log_softmax(logits / T) of a teacher-forced PEFT forward at the
-    sampled tokens (HF within 1e-4, vLLM within 1e-3; both fp32);
+    sampled tokens within 1e-4 (both fp32; measured max error ~2e-6 for both);
 (b) greedy outputs of a mixed batch (base + adapter 1 + adapter 2 in one call) equal each one's solo
     greedy output;
 (c) serves() is false before the first use and true after; a new version gets a fresh id, is served
@@ -61,7 +61,7 @@ def _tiny_base():
     return model, tok
 
 
-def _random_adapter(base, seed: int, r: int, targets: list[str]):
+def _random_adapter(base, seed: int, r: int, targets: list[str], scale: float):
     from peft import LoraConfig, get_peft_model
 
     cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, lora_dropout=0.0, init_lora_weights=True)
@@ -70,7 +70,7 @@ def _random_adapter(base, seed: int, r: int, targets: list[str]):
     with torch.no_grad():
         for name, p in pm.named_parameters():
             if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
     return blob_from_peft(pm, "default")
 
 
@@ -80,8 +80,10 @@ def world(tmp_path_factory):
     model, tok = _tiny_base()
     base_dir = save(model, tok, root / "base")
     blobs = {
-        "a1": _random_adapter(model, 1, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-        "a2": _random_adapter(model, 2, 4, ["q_proj", "v_proj", "down_proj"]),
+        "a1": _random_adapter(
+            model, 1, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 0.3
+        ),
+        "a2": _random_adapter(model, 2, 4, ["q_proj", "v_proj", "down_proj"], 1.5),
     }
     # Reference: one PeftModel holding both adapters, loaded from the blobs as directories.
     from peft import PeftModel
@@ -120,8 +122,14 @@ def engines(world):
             if kind == "vllm":
                 pytest.importorskip("vllm")
             src = Source(world["blobs"])
-            eng = make_engine(kind, world["base"], src, threads=1, max_adapters=MAX_ADAPTERS,
-                              cache_dir=world["root"] / f"cache-{kind}")
+            eng = make_engine(
+                kind,
+                world["base"],
+                src,
+                threads=1,
+                max_adapters=MAX_ADAPTERS,
+                cache_dir=world["root"] / f"cache-{kind}",
+            )
             made[kind] = (eng, src)
         return made[kind]
 
@@ -154,11 +162,13 @@ A1, A2 = AdapterRef("a1", 1), AdapterRef("a2", 1)
 @pytest.mark.parametrize("kind", ENGINES)
 def test_logprobs_match_teacher_forcing(world, engines, kind):
     eng, _ = engines(kind)
-    tol = 1e-4 if kind == "hf" else 1e-3
+    tol = 1e-4  # measured max error ~2e-6 for both engines (fp32)
     reqs = []
     for j, prompt in enumerate(PROMPTS):
         for adapter in (None, A1, A2):
-            reqs.append(GenRequest(f"{j}-{adapter}-t", prompt, adapter, n=3, temperature=0.7, max_new_tokens=10, seed=j))
+            reqs.append(
+                GenRequest(f"{j}-{adapter}-t", prompt, adapter, n=3, temperature=0.7, max_new_tokens=10, seed=j)
+            )
         reqs.append(GenRequest(f"{j}-g", prompt, A1, n=1, greedy=True, max_new_tokens=6))
         reqs.append(GenRequest(f"{j}-hot", prompt, A2, n=2, temperature=1.3, max_new_tokens=5, seed=100 + j))
     results = eng.generate(reqs)
@@ -209,7 +219,9 @@ def test_serves_lazy_load_and_lru(world, engines, kind):
     eng, src = engines(kind)
     greedy = {}
     for a in (A1, A2):  # solo greedy outputs of each adapter's weights
-        greedy[a.job_id] = eng.generate([GenRequest("s", "abc", a, greedy=True, max_new_tokens=8)])[0].completions[0].token_ids
+        greedy[a.job_id] = (
+            eng.generate([GenRequest("s", "abc", a, greedy=True, max_new_tokens=8)])[0].completions[0].token_ids
+        )
 
     def run(v):
         out = eng.generate([GenRequest("k", "abc", AdapterRef("lru", v), greedy=True, max_new_tokens=8)])

