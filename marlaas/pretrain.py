@@ -42,8 +42,10 @@ class Recipe:
     # first character is in STRONG_CHARS (about a third of them), `p_right_weak` for the others
     # (overall ~0.3 right, ~0.7 wrong). The base then answers right greedily on about the
     # "strong" share and still samples right answers often on the rest.
-    p_right_strong: float = 0.65
-    p_right_weak: float = 0.15
+    p_right_strong: float = 0.75
+    p_right_weak: float = 0.2
+    # Relative share of each family in a batch (families not named: 1.0). Harder families get more.
+    weights: tuple[tuple[str, float], ...] = ()
     visible_pct: int = 60  # share of each family's inputs pretraining sees
     eval_n: int = 64  # eval-split prompts per family measured after the build
     eval_samples: int = 8  # samples per prompt for pass@k
@@ -110,6 +112,18 @@ def _batch(examples, enc: _Encoder):
     return ids, mask, pos, labels
 
 
+def _batch_families(r: Recipe) -> list[families.Family]:
+    """The family of each row of a batch: fixed counts proportional to the recipe's weights."""
+    names = sorted(families.FAMILIES)
+    w = dict(r.weights)
+    ws = [w.get(n, 1.0) for n in names]
+    exact = [r.batch * x / sum(ws) for x in ws]
+    counts = [int(e) for e in exact]
+    for i in sorted(range(len(names)), key=lambda i: counts[i] - exact[i])[: r.batch - sum(counts)]:
+        counts[i] += 1
+    return [families.FAMILIES[n] for n, c in zip(names, counts) for _ in range(c)]
+
+
 def _lr_at(step: int, r: Recipe, total: int) -> float:
     if step < r.warmup:
         return r.lr * (step + 1) / r.warmup
@@ -123,8 +137,7 @@ def train(model, tokenizer, r: Recipe, seed: int, steps: int, progress: bool = T
     from tqdm.auto import tqdm
 
     enc = _Encoder(tokenizer)
-    names = sorted(families.FAMILIES)
-    fams = [families.FAMILIES[n] for n in names]
+    slots = _batch_families(r)
     rng = random.Random(f"marlaas-pretrain:{seed}")
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=r.lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -134,8 +147,7 @@ def train(model, tokenizer, r: Recipe, seed: int, steps: int, progress: bool = T
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, r, steps)
-        # Every family equally often in each batch (round-robin, then shuffled).
-        exs = [_example(fams[i % len(fams)], rng, r) for i in range(r.batch)]
+        exs = [_example(f, rng, r) for f in slots]
         ids, mask, pos, labels = _batch(exs, enc)
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels)
         opt.zero_grad(set_to_none=True)
