@@ -43,7 +43,7 @@ class Client:
             )
         max_rank = int(dep.get("max_lora_rank") or get_settings().max_lora_rank)
         if spec.lora.rank > max_rank:
-            raise SpecError(f"invalid job spec: lora.rank: {spec.lora.rank} exceeds the deployment's maximum {max_rank}")
+            raise SpecError(f"invalid job spec: lora.rank: {spec.lora.rank} exceeds the maximum {max_rank}")
         train, held = job_rows(spec)
         return Job(self, self.store.create_job(spec, train, held))
 
