@@ -122,7 +122,12 @@ def run_verify(store: Store, jid: str, kind: str, idxs: list[int]) -> int:
         scores = score_groups(verifier, [(r["row"], [r["text"]]) for r in ev["rows"]])
         n = len(ev["rows"])
         acc = sum(s.rewards[0] for s in scores) / max(n, 1)
-        store.put_eval_result(jid, v, {"acc": acc, "n": n, "at": time.time()})
+        # The greedy outputs are kept with the score: an exported adapter must reproduce them.
+        store.put_eval_result(jid, v, {
+            "acc": acc, "n": n, "at": time.time(),
+            "outputs": [{"prompt": r["row"]["prompt"], "text": r["text"], "reward": s.rewards[0]}
+                        for r, s in zip(ev["rows"], scores)],
+        })
         accepted += 1
         if all(store.has_evals(jid, [0, spec.steps])):
             store.set_status(jid, "done")
