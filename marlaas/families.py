@@ -11,11 +11,11 @@ deterministic for (family, split, n, seed); the "train" and "eval" splits never 
 
 Families (prompt -> answer):
 
-- reverse  "rev:abcd=" -> "dcba"            exact   (wrong: copies the input)
+- reverse  "rev:3817=" -> "7183"            exact   (wrong: copies the input)
 - sort     "sort:3817=" -> "1378"            exact   (wrong: sorts descending)
 - max      "max:38172=" -> "8"               exact   (wrong: the minimum)
 - min      "min:38172=" -> "1"               exact   (wrong: the maximum)
-- add      "add:417+5=" -> "422"             math    (wrong: off by one, a+b+1)
+- add      "add:47+5=" -> "52"               math    (wrong: off by one, a+b+1)
 - code     "code:417>" -> any Python expression equal to 417, e.g. "410+7"; code verifier
            (wrong: an expression off by one, "417+1")
 
@@ -83,7 +83,7 @@ def _body(prefix: str, suffix: str) -> Callable[[str], str]:
 
 def _reverse_sample(rng: random.Random) -> tuple:
     while True:
-        s = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 5)))
+        s = "".join(rng.choice(string.digits) for _ in range(rng.randint(3, 5)))
         if s != s[::-1]:  # a palindrome's wrong answer would be right
             return (s,)
 
@@ -131,7 +131,7 @@ _min_body = _body("min:", "=")
 
 
 def _add_sample(rng: random.Random) -> tuple:
-    return (rng.randint(10, 999), rng.randint(1, 9))
+    return (rng.randint(10, 99), rng.randint(1, 9))
 
 
 _add_body = _body("add:", "=")
@@ -163,7 +163,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             "reverse",
             "exact",
-            "Reverse a string of 3-5 lowercase letters.",
+            "Reverse a string of 3-5 digits.",
             sample=_reverse_sample,
             prompt=lambda x: f"rev:{x[0]}=",
             answer=lambda x: x[0][::-1],
@@ -203,7 +203,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             "add",
             "math",
-            "Add a digit (1-9) to a number (10-999).",
+            "Add a digit (1-9) to a two-digit number (10-99).",
             sample=_add_sample,
             prompt=lambda x: f"add:{x[0]}+{x[1]}=",
             answer=lambda x: str(x[0] + x[1]),

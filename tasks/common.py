@@ -22,7 +22,28 @@ def worker_name() -> str:
 
 
 def send(name: str, args: list) -> None:
-    app.send_task(name, args=args)
+    app.send_task(name, args=args, argsrepr=describe(name, args))
+
+
+@lru_cache(maxsize=65536)
+def _tenant(jid: str) -> str:
+    return store().job_fields(jid, "tenant")[0] or "?"
+
+
+def describe(name: str, args: list) -> str:
+    """What Flower shows as the task's arguments: station, job, tenant, version (IDs stay the payload)."""
+    station = name.rsplit(".", 1)[-1]
+    if station == "generate":
+        per_job: dict[str, list[str]] = {}
+        for kind, jid, idx in args[1]:
+            per_job.setdefault(jid, []).append(f"{'group' if kind == 'gen' else 'eval v'}{idx}")
+        jobs = "; ".join(f"job={j} tenant={_tenant(j)} [{', '.join(v)}]" for j, v in per_job.items())
+        return f"station=generate batch={args[0]} {jobs}"
+    if station == "verify":
+        return f"station=verify job={args[0]} tenant={_tenant(args[0])} kind={args[1]} items={args[2]}"
+    if station == "train":
+        return f"station=train job={args[0]} tenant={_tenant(args[0])} version={args[1]}"
+    return f"station={station} {args}"
 
 
 def kick() -> None:

@@ -74,10 +74,10 @@ def test_no_majority_answer_trap(name):
 @pytest.mark.parametrize(
     "name,prompt,completion,ok",
     [
-        ("reverse", "rev:abcd=", "dcba", True),
-        ("reverse", "rev:abcd=", " dcba\n", True),
-        ("reverse", "rev:abcd=", "abcd", False),
-        ("reverse", "rev:abcd=", "dcb", False),
+        ("reverse", "rev:3817=", "7183", True),
+        ("reverse", "rev:3817=", " 7183\n", True),
+        ("reverse", "rev:3817=", "3817", False),
+        ("reverse", "rev:3817=", "718", False),
         ("sort", "sort:3817=", "1378", True),
         ("sort", "sort:3817=", "8731", False),
         ("sort", "sort:90902=", "00299", True),
