@@ -66,7 +66,7 @@ def run_demo(tenants: int = 4, steps: int | None = None, max_staleness: int = 2,
     t0 = time.time()
     jobs = [client.submit(s) for s in demo_specs(tenants, steps, max_staleness)]
     console.print(f"submitted {len(jobs)} jobs: {', '.join(j.id for j in jobs)}")
-    with Live(_table([j.status() for j in jobs]), console=console, refresh_per_second=2) as live:
+    with Live(_table([j.status() for j in jobs]), console=console, refresh_per_second=2, transient=True) as live:
         while True:
             sts = [j.status() for j in jobs]
             live.update(_table(sts))
