@@ -15,6 +15,8 @@ from marlaas.errors import MarlaasError
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Multi-tenant asynchronous RL fine-tuning.")
 base_app = typer.Typer(no_args_is_help=True, help="The base model.")
 app.add_typer(base_app, name="base")
+tenant_app = typer.Typer(no_args_is_help=True, help="Tenants and their API tokens.")
+app.add_typer(tenant_app, name="tenant")
 console = Console()
 err = Console(stderr=True)
 
@@ -176,6 +178,83 @@ def demo(
     from marlaas.demo import run_demo
 
     run_demo(tenants=tenants, steps=steps, max_staleness=max_staleness, json_out=json_out, console=console)
+
+
+@app.command()
+def report(
+    jobs: list[str] = typer.Argument(None, help="Job ids (one report covering all of them)."),
+    all_jobs: bool = typer.Option(False, "--all", help="Every job in the store."),
+    out: Path = typer.Option(None, "--out", help="Output directory (default: <MARLAAS_HOME>/reports)."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Write a PNG and a self-contained HTML report: rewards, accuracy, staleness, station timeline."""
+    from marlaas.report import write_report
+    from marlaas.settings import get_settings
+    from marlaas.store import Store
+
+    if bool(jobs) == all_jobs:
+        raise MarlaasError("give job ids or --all (not both)")
+    store = Store()
+    store.check()
+    ids = store.job_ids() if all_jobs else list(jobs)
+    if not ids:
+        raise MarlaasError("no jobs in the store to report on")
+    png, page = write_report(store, ids, out or get_settings().home / "reports",
+                             name="report-all" if all_jobs else None)
+    if not _emit({"png": str(png), "html": str(page)}, as_json):
+        console.print(f"report of {len(ids)} job(s): {page} (figure {png})")
+
+
+@app.command("metrics-server")
+def metrics_server(
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+    port: int = typer.Option(9109, min=0, max=65535, help="TCP port (0 = any free port)."),
+    window: float = typer.Option(60.0, min=1.0, help="Seconds the station busy fractions cover."),
+):
+    """Serve Prometheus metrics at http://HOST:PORT/metrics (and /healthz) until stopped."""
+    import errno
+    import signal
+
+    from marlaas.metrics import make_server
+
+    try:
+        server = make_server(host, port, window_s=window)
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise MarlaasError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        # Under honcho one exiting process stops the whole stack: stay up without serving.
+        err.print(f"error: {host}:{port} is in use; metrics are not served "
+                  "(set MARLAAS_METRICS_PORT or --port)", style="red", markup=False, highlight=False, soft_wrap=True)
+        while True:
+            signal.pause()
+    h, p = server.server_address[:2]
+    console.print(f"metrics at http://{h}:{p}/metrics", markup=False, highlight=False)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+
+
+@tenant_app.command("add")
+def tenant_add(
+    name: str,
+    max_active_jobs: int = typer.Option(8, min=1),
+    max_steps: int = typer.Option(10_000, min=1),
+    max_group_size: int = typer.Option(64, min=2),
+    max_prompts_per_step: int = typer.Option(256, min=1),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Register a tenant and print its API token (shown once; clients pass it as MARLAAS_TOKEN)."""
+    from marlaas import tenancy
+    from marlaas.store import Store
+
+    store = Store()
+    store.check()
+    token = tenancy.add_tenant(store, name, tenancy.Quotas(
+        max_active_jobs=max_active_jobs, max_steps=max_steps, max_group_size=max_group_size,
+        max_prompts_per_step=max_prompts_per_step))
+    if not _emit({"tenant": name, "token": token}, as_json):
+        console.print(f"tenant {name} added; its token (shown once): {token}", markup=False, highlight=False)
 
 
 def _f(x) -> str:

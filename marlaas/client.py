@@ -12,12 +12,13 @@ clear `MarlaasError` and leaves no trace. The scheduler picks a new job up on it
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 from marlaas.data import job_rows
 from marlaas.engines.types import AdapterRef
-from marlaas.errors import BaseModelError, MarlaasError, NotFound, SpecError
+from marlaas.errors import BaseModelError, Forbidden, MarlaasError, NotFound, SpecError
 from marlaas.settings import get_settings
 from marlaas.spec import JobSpec, parse_spec
 from marlaas.store import Store
@@ -29,13 +30,18 @@ class Client:
     """A connection to one marlaas deployment (its Redis)."""
 
     def __init__(self, url: str | None = None, token: str | None = None):
+        from marlaas import tenancy
+
         self.store = Store(url)
         self.store.check()
-        self.token = token
+        self.tenant = tenancy.resolve(self.store, token or os.environ.get("MARLAAS_TOKEN"))
+        """The caller's tenant; None in the single-user default (no tenants registered)."""
 
     def submit(self, spec: JobSpec | dict) -> Job:
         """Validate and enqueue a job; returns its handle."""
-        spec = parse_spec(spec)
+        from marlaas import tenancy
+
+        spec = tenancy.check_submit(self.store, self.tenant, parse_spec(spec))
         dep = self.store.deployment()
         if spec.base_model and dep.get("base_name") and spec.base_model not in (dep["base_name"], dep.get("base")):
             raise BaseModelError(
@@ -48,11 +54,23 @@ class Client:
         return Job(self, self.store.create_job(spec, train, held))
 
     def job(self, job_id: str) -> Job:
-        self.store.job(job_id)  # raises NotFound
+        self.record(job_id)
         return Job(self, job_id)
 
     def jobs(self, tenant: str | None = None) -> list[Job]:
+        """The caller's jobs (with a token: only its own tenant's)."""
+        if self.tenant is not None:
+            if tenant not in (None, self.tenant):
+                raise Forbidden(f"a token of tenant {self.tenant!r} cannot list tenant {tenant!r}")
+            tenant = self.tenant
         return [Job(self, j) for j in self.store.job_ids(tenant)]
+
+    def record(self, job_id: str):
+        """The job's record if the caller may see it; another tenant's job is simply not found."""
+        rec = self.store.job(job_id)
+        if self.tenant is not None and rec.tenant != self.tenant:
+            raise NotFound(f"no job {job_id!r}")
+        return rec
 
 
 class Job:
@@ -71,7 +89,7 @@ class Job:
 
     def status(self) -> dict:
         """Progress in one dict: status, version/steps, last mean reward and staleness, accuracies."""
-        rec = self.store.job(self.id)
+        rec = self.client.record(self.id)
         last = self.store.metrics(self.id)[-1:] or [{}]
         evals = self.store.evals(self.id)
         spec = rec.spec
@@ -112,19 +130,20 @@ class Job:
 
     def cancel(self) -> None:
         """Stop the job; work in flight for it is dropped."""
-        rec = self.store.job(self.id)
+        rec = self.client.record(self.id)
         if rec.status not in TERMINAL:
             self.store.set_status(self.id, "cancelled")
 
     def metrics(self) -> dict:
         """Per-step training metrics and held-out evaluations by version."""
+        self.client.record(self.id)
         return {"steps": self.store.metrics(self.id), "evals": self.store.evals(self.id)}
 
     def download_adapter(self, out_dir: str | Path, version: int | None = None) -> Path:
         """Write a published adapter version (default: the newest) as a PEFT adapter directory."""
         from marlaas.adapters import write_adapter_dir
 
-        rec = self.store.job(self.id)
+        rec = self.client.record(self.id)
         v = rec.version if version is None else version
         if v == 0:
             raise NotFound(f"job {self.id} has no trained adapter yet (version 0 is the base model itself)")

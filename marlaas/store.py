@@ -23,6 +23,8 @@ Key schema (prefix `m:`):
   m:trainer:lease               JSON {token, job, version, until}: the single trainer lane
   m:events                      list of JSON task events {station, start, end, jobs, worker}
   m:worker:{name}               heartbeat with TTL
+  m:tenants                     hash tenant -> JSON {token_sha256, quotas}  (empty = single-user mode)
+  m:tokens                      hash sha256(token) -> tenant
   m:sched:lock / m:sched:kick   scheduler mutex / pending-kick flag
   m:sched:vt                    virtual time of the weighted round-robin
 
@@ -56,6 +58,8 @@ LOCK = P + "sched:lock"
 KICK = P + "sched:kick"
 VT = P + "sched:vt"
 DEPLOYMENT = P + "deployment"
+TENANTS = P + "tenants"
+TOKENS = P + "tokens"
 EVENTS_CAP = 200_000
 # Adapter versions kept in the store besides the newest (older ones are deleted on publish);
 # the job's final version and version 0 (the base) are always available.
@@ -516,11 +520,79 @@ class Store:
         vals = self.r.mget(keys)
         return {k.decode()[len(P) + 7:]: json.loads(v) for k, v in zip(keys, vals) if v}
 
+    # ---------------------------------------------------------------- tenants and tokens
+    def add_tenant(self, name: str, token_sha256: str, quotas: dict) -> bool:
+        """Register a tenant with its hashed token; False if the name exists."""
+        rec = json.dumps({"token_sha256": token_sha256, "quotas": quotas, "created": time.time()})
+        if not self.r.hsetnx(TENANTS, name, rec):
+            return False
+        self.r.hset(TOKENS, token_sha256, name)
+        return True
+
+    def tenant_for_token(self, token_sha256: str) -> str | None:
+        v = self.r.hget(TOKENS, token_sha256)
+        return v.decode() if v is not None else None
+
+    def tenant(self, name: str) -> dict | None:
+        v = self.r.hget(TENANTS, name)
+        return json.loads(v) if v is not None else None
+
+    def auth_enabled(self) -> bool:
+        return bool(self.r.hlen(TENANTS))
+
+    def count_active(self, tenant: str) -> int:
+        ids = [x.decode() for x in self.r.smembers(tenant_key(tenant))]
+        if not ids:
+            return 0
+        p = self.r.pipeline(transaction=False)
+        for j in ids:
+            p.sismember(ACTIVE, j)
+        return sum(bool(x) for x in p.execute())
+
     def set_deployment(self, **info) -> None:
         self.r.hset(DEPLOYMENT, mapping={k: str(v) for k, v in info.items()})
 
     def deployment(self) -> dict[str, str]:
         return {k.decode(): v.decode() for k, v in self.r.hgetall(DEPLOYMENT).items()}
+
+    # ---------------------------------------------------------------- observability (metrics, reports)
+    def last_metrics(self, jid: str) -> dict | None:
+        """The newest published step's metrics (one LINDEX, not the whole list)."""
+        raw = self.r.lindex(metrics_key(jid), -1)
+        return json.loads(raw) if raw else None
+
+    def events_since(self, since: float, chunk: int = 1000) -> list[dict]:
+        """Events that ended at or after `since`, read from the log's tail in chunks.
+
+        Events are appended when a task ends, so the log is ordered by end time (up to clock skew
+        between hosts): reading stops at the first chunk that starts more than a minute before `since`.
+        An event appended between two reads may come back twice; busy fractions (a union) don't mind.
+        """
+        out: list[dict] = []
+        hi = -1
+        while True:
+            raw = self.r.lrange(EVENTS, hi - chunk + 1, hi)
+            if not raw:
+                break
+            evs = [json.loads(x) for x in raw]
+            out = [e for e in evs if e["end"] >= since] + out
+            if len(raw) < chunk or evs[0]["end"] < since - 60.0:
+                break
+            hi -= chunk
+        return out
+
+    def queue_depths(self, queues: tuple[str, ...] = ("generate", "verify", "train", "control")) -> dict[str, int]:
+        """Messages waiting in each Celery queue. Kombu's Redis transport keeps a queue as a Redis list
+        named after it, plus one list per non-zero priority step named `queue + "\\x06\\x16" + step`."""
+        sep, steps = "\x06\x16", (3, 6, 9)
+        p = self.r.pipeline(transaction=False)
+        for q in queues:
+            p.llen(q)
+            for s in steps:
+                p.llen(f"{q}{sep}{s}")
+        vals = p.execute()
+        n = 1 + len(steps)
+        return {q: int(sum(vals[i * n:(i + 1) * n])) for i, q in enumerate(queues)}
 
 
 @lru_cache(maxsize=4096)
