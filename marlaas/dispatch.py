@@ -74,9 +74,22 @@ def snapshot(store: Store, now: float) -> scheduler.Snapshot:
         gen_inflight=store.gen_inflight(now),
         gen_capacity=2 * max(1, n_gen),
         batch_rows=s.gen_batch_rows,
-        trainer_free=store.trainer_lease() is None,
+        trainer_free=_trainer_free(store),
         expired=tuple(parse_item(x) for x in store.expired_leases(now)),
     )
+
+
+def _trainer_free(store: Store) -> bool:
+    """The lane is free when no lease exists, or when the worker holding it has stopped beating
+    (killed mid-step): then the lease is broken at once instead of waiting for its TTL."""
+    lease = store.trainer_lease()
+    if lease is None:
+        return True
+    worker = lease.get("worker")
+    if worker and worker not in store.workers():
+        store.release_trainer(lease["token"])
+        return True
+    return False
 
 
 def tick(store: Store, send: Send, now: float | None = None) -> scheduler.Plan | None:

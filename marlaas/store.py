@@ -169,6 +169,16 @@ redis.call('ZREM', KEYS[3], ARGV[4])
 return 1
 """
 
+_CLAIM = """
+-- KEYS: trainer lease ; ARGV: token, worker. Adds the worker to the lease, keeping its TTL.
+local v = redis.call('GET', KEYS[1])
+if not v or not string.find(v, ARGV[1], 1, true) then return 0 end
+local d = cjson.decode(v)
+d['worker'] = ARGV[2]
+redis.call('SET', KEYS[1], cjson.encode(d), 'KEEPTTL')
+return 1
+"""
+
 _RELEASE = """
 local v = redis.call('GET', KEYS[1])
 if v and string.find(v, ARGV[1], 1, true) then return redis.call('DEL', KEYS[1]) end
@@ -199,6 +209,7 @@ class Store:
         self._publish = self.r.register_script(_PUBLISH)
         self._accept = self.r.register_script(_ACCEPT_REWARDS)
         self._release = self.r.register_script(_RELEASE)
+        self._claim = self.r.register_script(_CLAIM)
 
     # ---------------------------------------------------------------- connectivity
     def ping(self) -> bool:
@@ -472,6 +483,10 @@ class Store:
 
     def release_trainer(self, token: str) -> None:
         self._release(keys=[TRAINER], args=[token])
+
+    def claim_trainer(self, token: str, worker: str) -> bool:
+        """The train task names the worker holding the lane, so a dead worker's lease can be broken."""
+        return bool(self._claim(keys=[TRAINER], args=[token, worker]))
 
     def advance_pass(self, jid: str, weight: float) -> None:
         p = self.r.pipeline()

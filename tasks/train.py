@@ -5,7 +5,7 @@ from __future__ import annotations
 from marlaas import stations
 from marlaas.settings import get_settings
 from tasks.app import app
-from tasks.common import kick, register_base, station_event, store
+from tasks.common import kick, register_base, station_event, store, worker_name
 
 _engine = None
 
@@ -23,6 +23,7 @@ def engine():
 
 @app.task(name="marlaas.train", ignore_result=True)
 def train(job_id: str, version: int, token: str) -> dict:
+    store().claim_trainer(token, f"train@{worker_name()}")
     try:
         with station_event("train", [job_id], version=version):
             out = stations.run_train(store(), engine(), job_id, version, token)

@@ -98,3 +98,18 @@ def test_tick_gives_trainer_to_ready_job(st):
     assert plan.train == (jid, 0)
     assert [a[:2] for n, a in sent if n == "marlaas.train"] == [[jid, 0]]
     assert st.trainer_lease()["job"] == jid
+
+
+def test_lease_of_a_dead_trainer_is_broken_at_once(st):
+    jid, spec = make_job(st)
+    tok = st.take_trainer(jid, 0, 300)
+    assert st.claim_trainer(tok, "train@ghost:1")
+    assert st.trainer_lease()["worker"] == "train@ghost:1"
+    assert st.r.pttl("m:trainer:lease") > 290_000  # claiming keeps the TTL
+    st.heartbeat("train@alive:2", "train")
+    dispatch.tick(st, lambda *a: None)
+    assert st.trainer_lease() is None  # no heartbeat from train@ghost:1
+    tok = st.take_trainer(jid, 0, 300)
+    st.claim_trainer(tok, "train@alive:2")
+    dispatch.tick(st, lambda *a: None)
+    assert st.trainer_lease()["token"] == tok  # a live worker keeps its lease

@@ -7,6 +7,9 @@ import threading
 
 from celery.signals import worker_ready, worker_shutdown
 
+# A worker that stops beating for this long is dead: its trainer lease is broken (dispatch.py).
+HEARTBEAT_TTL_S = 10.0
+
 
 def limit_threads(n: int) -> None:
     """Several torch processes share the cores: give each an explicit budget before torch loads."""
@@ -29,10 +32,10 @@ def announce(station: str, on_ready=None, **info) -> None:
         def beat():
             while not stop.is_set():
                 try:
-                    store().heartbeat(name, station, ttl=30, **info)
+                    store().heartbeat(name, station, ttl=HEARTBEAT_TTL_S, **info)
                 except Exception:  # the broker may be restarting; the next beat retries
                     pass
-                stop.wait(10)
+                stop.wait(HEARTBEAT_TTL_S / 3)
 
         threading.Thread(target=beat, daemon=True, name="marlaas-heartbeat").start()
         kick()
