@@ -1,0 +1,16 @@
+"""Crash safety: SIGKILL random workers and restart the broker while 8 tenants train (marlaas.chaos)."""
+
+import pytest
+
+from marlaas.chaos import run_chaos
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def test_jobs_survive_killed_workers_and_a_broker_restart(tiny_base, home):
+    out = run_chaos(tiny_base, home / "chaos-logs")
+    assert len([e for e in out["events"] if e[0] == "kill"]) == 6
+    for r in out["jobs"]:
+        assert r["status"] == "done", (r, out["events"])
+        assert r["steps"] == list(range(1, r["spec_steps"] + 1)), r  # none lost, none duplicated
+        assert r["staleness_ok"], r
