@@ -265,7 +265,7 @@ def main() -> None:
     try:
         app(standalone_mode=False)
     except MarlaasError as e:
-        err.print(f"error: {e}", style="red", markup=False, highlight=False)
+        sys.stderr.write(f"error: {' '.join(str(e).split())}\n")  # one line, never wrapped
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         err.print("aborted")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import lru_cache
 from pathlib import Path
 
 from marlaas.data import job_rows
@@ -51,6 +52,7 @@ class Client:
         if spec.lora.rank > max_rank:
             raise SpecError(f"invalid job spec: lora.rank: {spec.lora.rank} exceeds the maximum {max_rank}")
         train, held = job_rows(spec)
+        _check_context(dep.get("base"), spec, train, held)
         return Job(self, self.store.create_job(spec, train, held))
 
     def job(self, job_id: str) -> Job:
@@ -71,6 +73,36 @@ class Client:
         if self.tenant is not None and rec.tenant != self.tenant:
             raise NotFound(f"no job {job_id!r}")
         return rec
+
+
+@lru_cache(maxsize=4)
+def _base_limits(base: str):
+    """(tokenizer, context length) of a base directory this machine can read, else None."""
+    import json as _json
+
+    from marlaas.basemodel import load_tokenizer
+
+    cfg = Path(base) / "config.json"
+    if not cfg.is_file():
+        return None
+    n = _json.loads(cfg.read_text()).get("max_position_embeddings")
+    return (load_tokenizer(base), int(n)) if n else None
+
+
+def _check_context(base: str | None, spec: JobSpec, train: list[dict], held: list[dict]) -> None:
+    """Refuse prompts that cannot fit the base's context with max_new_tokens (when the base is local)."""
+    limits = _base_limits(base) if base else None
+    if limits is None:
+        return
+    tok, ctx = limits
+    for split, rows in (("dataset", train), ("eval_dataset", held)):
+        for row in rows:
+            n = len(tok(row["prompt"])["input_ids"])
+            if n + spec.max_new_tokens > ctx:
+                raise SpecError(
+                    f"{split}: the prompt {row['prompt'][:40]!r} has {n} tokens; with max_new_tokens "
+                    f"{spec.max_new_tokens} it exceeds the base model's context of {ctx} tokens"
+                )
 
 
 class Job:

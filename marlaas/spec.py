@@ -149,6 +149,6 @@ def parse_spec(data: dict | JobSpec) -> JobSpec:
         return JobSpec.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(p) for p in err.get("loc", ())) or "spec"
+        where = ".".join(str(p) for p in err.get("loc", ()))
         msg = err.get("msg", "invalid").removeprefix("Value error, ")
-        raise SpecError(f"invalid job spec: {where}: {msg}") from None
+        raise SpecError(f"invalid job spec: {where + ': ' if where else ''}{msg}") from None
