@@ -134,10 +134,30 @@ def run_verify(store: Store, jid: str, kind: str, idxs: list[int]) -> int:
     return accepted
 
 
+def train_batch(spec, t: int, rolls: list[dict]) -> tuple[list, list[float], list[int]]:
+    """(samples, all rewards, staleness per group) of one step: group-relative advantages per group."""
+    import torch
+
+    from marlaas import rl
+    from marlaas.engines.training import TrainSample
+
+    samples, rewards_all, staleness = [], [], []
+    for r in rolls:
+        rewards = r["rewards"]["rewards"]
+        rewards_all += rewards
+        staleness.append(t - r["version"])
+        adv = rl.group_advantages(torch.tensor(rewards, dtype=torch.float32), mode=spec.rl.advantage)
+        if spec.rl.drop_zero_advantage and bool((adv == 0).all()):
+            continue
+        for c, a in zip(r["completions"], adv.tolist()):
+            samples.append(TrainSample(prompt=r["row"]["prompt"], completion_ids=c["ids"],
+                                       behav_logprobs=c["logprobs"], advantage=float(a)))
+    return samples, rewards_all, staleness
+
+
 def run_train(store: Store, engine, jid: str, t: int, token: str) -> dict:
     """One policy-gradient step of job `jid` at version t; publishes t+1 exactly once."""
-    from marlaas import rl
-    from marlaas.engines.training import TrainSample, TrainState
+    from marlaas.engines.training import TrainState
 
     status, version = store.job_fields(jid, "status", "version")
     if status not in ("running",) or version is None or int(version) != t:
@@ -154,19 +174,7 @@ def run_train(store: Store, engine, jid: str, t: int, token: str) -> dict:
         store.release_trainer(token)
         return {"skipped": f"groups {bad} missing, unverified or too stale: regenerating"}
 
-    import torch
-
-    samples, rewards_all, staleness = [], [], []
-    for r in rolls:
-        rewards = r["rewards"]["rewards"]
-        rewards_all += rewards
-        staleness.append(t - r["version"])
-        adv = rl.group_advantages(torch.tensor(rewards, dtype=torch.float32), mode=spec.rl.advantage)
-        if spec.rl.drop_zero_advantage and bool((adv == 0).all()):
-            continue
-        for c, a in zip(r["completions"], adv.tolist()):
-            samples.append(TrainSample(prompt=r["row"]["prompt"], completion_ids=c["ids"],
-                                       behav_logprobs=c["logprobs"], advantage=float(a)))
+    samples, rewards_all, staleness = train_batch(spec, t, rolls)
     state = None
     if t > 0:
         opt = store.optimizer_state(jid)
