@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("results/chaos.json"))
     a = ap.parse_args()
     home = get_settings().home
-    base = a.base or ensure_base(home / "base-test", preset="test", seed=0, progress=True)
+    base = a.base or ensure_base(home / "base-test", preset="test", seed=0, progress=True, threads=1)
     t0 = time.time()
     out = run_chaos(base, home / "chaos-logs", tenants=a.tenants, kills=a.kills, steps=a.steps, seed=a.seed,
                     deadline_s=3600)

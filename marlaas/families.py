@@ -362,4 +362,14 @@ def correct(name: str, prompt: str, completion: str) -> bool:
     return completion.strip() == fam.answer(x)
 
 
-__all__ = ["FAMILIES", "Family", "MAX_ANSWER_TOKENS", "correct", "get", "rows", "run_tests", "safe_eval", "split_of"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "MAX_ANSWER_TOKENS",
+    "correct",
+    "get",
+    "rows",
+    "run_tests",
+    "safe_eval",
+    "split_of",
+]

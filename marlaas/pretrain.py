@@ -1,10 +1,14 @@
 """Pretraining the tiny base model on the built-in task families (FACTS.md's recipe).
 
 The base must leave room for RL: it should know the right behaviour of every family *and* a
-plausible wrong one, so greedy accuracy is modest while sampling often finds a right answer. So:
-on a visible ~60% subset of each family's inputs, an example is labelled with the family's
-deterministic WRONG answer (`Family.wrong`) with probability `p_wrong`, else with the right one.
-Loss is on the completion tokens and EOS only.
+plausible wrong one, so greedy accuracy is modest while sampling often finds a right answer. So
+pretraining only sees a visible ~60% subset of each family's inputs and labels an example with the
+family's deterministic WRONG answer (`Family.wrong`) about 70% of the time, else with the right
+one. The share is not uniform: on "strong" inputs (first character of the input in STRONG_CHARS,
+about a third) the right answer is the majority, on the others the wrong one. A uniform 30% right
+makes a calibrated model answer wrong greedily everywhere (greedy accuracy ~0); this split gives
+greedy accuracy ~0.3 with pass@8 well above it, and a behaviour RL can move. Harder families get a
+larger share of each batch. Loss is on the completion tokens and EOS only.
 
 `build_base` writes an ordinary Hugging Face directory plus `marlaas_base.json` (preset, seed,
 steps, per-family greedy accuracy and pass@8 on the "eval" split). `ensure_base` builds only when
@@ -51,13 +55,17 @@ class Recipe:
     eval_samples: int = 8  # samples per prompt for pass@k
 
 
+_WEIGHTS = (("reverse", 2.0), ("add", 1.25), ("code", 0.75), ("max", 0.75), ("min", 0.75))
+
 RECIPES: dict[str, Recipe] = {
-    "default": Recipe(model="default", steps=1500),
-    "test": Recipe(model="test", steps=150, batch=32, lr=5e-3, warmup=10, eval_n=16),
+    # ~1M parameters; ~4.5 min on 2 idle cores; greedy ~0.2-0.45 and pass@8 >= 0.6 per family.
+    "default": Recipe(model="default", steps=1500, weights=_WEIGHTS),
+    # ~0.1M parameters, ~15 s: well-formed short answers ending in EOS, low accuracy. For tests.
+    "test": Recipe(model="test", steps=250, batch=48, lr=8e-3, warmup=20, weights=_WEIGHTS, eval_n=16),
 }
 
 
-STRONG_CHARS = frozenset("147" + "adgjmpsvy")  # ~1/3 of the digits 0-9 or 1-9, 9 of 26 letters
+STRONG_CHARS = frozenset("147")  # a third of the digits: every family's input starts with a digit
 
 
 def strong(fam: families.Family, x: tuple) -> bool:
@@ -104,10 +112,10 @@ def _batch(examples, enc: _Encoder):
     ids = torch.full((len(seqs), width), enc.pad, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     labels = torch.full((len(seqs), width), -100, dtype=torch.long)
-    for i, (s, l) in enumerate(zip(seqs, labs)):
+    for i, (s, lab) in enumerate(zip(seqs, labs)):
         ids[i, width - len(s) :] = torch.tensor(s)
         mask[i, width - len(s) :] = 1
-        labels[i, width - len(s) :] = torch.tensor(l)
+        labels[i, width - len(s) :] = torch.tensor(lab)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     return ids, mask, pos, labels
 
@@ -161,8 +169,17 @@ def train(model, tokenizer, r: Recipe, seed: int, steps: int, progress: bool = T
     return losses
 
 
-def generate(model, tokenizer, prompts: list[str], *, n: int = 1, greedy: bool = True, seed: int = 0,
-             max_new_tokens: int = families.MAX_ANSWER_TOKENS, batch_size: int = 512):
+def generate(
+    model,
+    tokenizer,
+    prompts: list[str],
+    *,
+    n: int = 1,
+    greedy: bool = True,
+    seed: int = 0,
+    max_new_tokens: int = families.MAX_ANSWER_TOKENS,
+    batch_size: int = 512,
+):
     """Completions of each prompt, `n` per prompt: (texts, finished), both [prompt][sample].
 
     Texts drop special tokens; `finished` says the completion ended with EOS within the budget.
@@ -221,8 +238,15 @@ def evaluate(model, tokenizer, eval_n: int = 64, samples: int = 8, seed: int = 0
     return res
 
 
-def build_base(out_dir, preset: str = "default", seed: int = 0, steps: int | None = None,
-               progress: bool = True, threads: int = 2, recipe: Recipe | None = None) -> Path:
+def build_base(
+    out_dir,
+    preset: str = "default",
+    seed: int = 0,
+    steps: int | None = None,
+    progress: bool = True,
+    threads: int = 2,
+    recipe: Recipe | None = None,
+) -> Path:
     """Initialise, pretrain, evaluate and save a base model into `out_dir`; returns the path.
 
     Deterministic for (preset, seed, steps). `threads` is the torch thread budget for training
@@ -255,16 +279,20 @@ def build_base(out_dir, preset: str = "default", seed: int = 0, steps: int | Non
         "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),
         "train_seconds": round(t_train, 1),
         "build_seconds": round(time.monotonic() - t0, 1),
-        "eval": {"split": "eval", "prompts_per_family": r.eval_n, "samples": r.eval_samples,
-                 "temperature": 1.0, "max_new_tokens": families.MAX_ANSWER_TOKENS},
+        "eval": {
+            "split": "eval",
+            "prompts_per_family": r.eval_n,
+            "samples": r.eval_samples,
+            "temperature": 1.0,
+            "max_new_tokens": families.MAX_ANSWER_TOKENS,
+        },
         "families": fam_metrics,
     }
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return out_dir
 
 
-def ensure_base(path, preset: str = "default", seed: int = 0, progress: bool = True,
-                threads: int = 2) -> Path:
+def ensure_base(path, preset: str = "default", seed: int = 0, progress: bool = True, threads: int = 2) -> Path:
     """The base model at `path`, built there first if `path/marlaas_base.json` is missing.
 
     The build goes into a temporary sibling directory that is renamed into place, so a crash
@@ -281,7 +309,11 @@ def ensure_base(path, preset: str = "default", seed: int = 0, progress: bool = T
             return path
         if path.exists():  # a leftover without the marker file: not a finished build
             shutil.rmtree(path)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            if not (path / META_FILE).is_file():  # lost a race to a build that finished
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

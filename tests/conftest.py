@@ -58,7 +58,7 @@ def tiny_base(home) -> Path:
     from marlaas.pretrain import ensure_base
 
     path = home / "base-test"
-    ensure_base(path, preset="test", seed=0, progress=False)
+    ensure_base(path, preset="test", seed=0, progress=False, threads=1)
     os.environ["MARLAAS_BASE"] = str(path)
     from marlaas.settings import get_settings
 
