@@ -101,17 +101,21 @@ def _id_key(jid: str) -> tuple[int, str]:
     return (int(digits) if digits else 0, jid)
 
 
-def _new_groups(jobs: tuple[JobState, ...]) -> list[list[Item]]:
-    """Per job (most urgent first), the admissible groups not yet dispatched."""
+def _interleave(jobs: tuple[JobState, ...]) -> list[Item]:
+    """Admissible new groups of all jobs, merged so that a batch mixes tenants in proportion to their
+    weights (the k-th group of a job with weight w gets the key (k + 1) / w; equal keys go to the job
+    whose next step is blocked on generation, then to the lower pass)."""
     def urgency(j: JobState):
         blocked = j.dispatched < (j.version + 1) * j.groups_per_step  # its next step lacks groups
         return (0 if blocked else 1, j.pass_value, _id_key(j.id))
 
-    out = []
-    for j in sorted(jobs, key=urgency):
+    keyed = []
+    for rank, j in enumerate(sorted(jobs, key=urgency)):
         limit = admission_limit(j.version, j.staleness, j.groups_per_step, j.steps)
-        out.append([("gen", j.id, g) for g in range(j.dispatched, limit)])
-    return out
+        for k, g in enumerate(range(j.dispatched, limit)):
+            keyed.append(((k + 1) / j.weight, rank, ("gen", j.id, g)))
+    keyed.sort(key=lambda x: (x[0], x[1]))
+    return [it for _, _, it in keyed]
 
 
 def _rows(item: Item, by_id: dict[str, JobState]) -> int:
@@ -131,13 +135,7 @@ def plan(s: Snapshot) -> Plan:
     first = [it for it in expired if it[0] in ("gen", "eval")]
     expired_evals = {(it[1], it[2]) for it in first if it[0] == "eval"}
     evals = [("eval", j.id, v) for j in s.jobs for v in j.need_eval if (j.id, v) not in expired_evals]
-    queues = _new_groups(s.jobs)
-    interleaved: list[Item] = []
-    while any(queues):
-        for q in queues:
-            if q:
-                interleaved.append(q.pop(0))
-    todo = first + evals + interleaved
+    todo = first + evals + _interleave(s.jobs)
 
     free = max(0, s.gen_capacity - s.gen_inflight)
     while todo and len(out.gen_batches) < free:

@@ -143,3 +143,11 @@ def test_simulated_asynchrony_never_breaks_staleness(staleness):
     assert max(trained_staleness) <= staleness
     if staleness > 0:
         assert max(trained_staleness) >= 1  # asynchrony actually happened
+
+
+def test_generation_share_follows_weights():
+    s = Snapshot(jobs=(job("j1", weight=1.0, staleness=4), job("j2", weight=3.0, staleness=4)),
+                 gen_capacity=1, batch_rows=8 * 8)
+    batch = plan(s).gen_batches[0]
+    # keys: j1 -> 1, 2, 3, ... ; j2 -> 1/3, 2/3, 1, 4/3, ... : 8 groups = 6 of j2 and 2 of j1
+    assert Counter(it[1] for it in batch) == {"j2": 6, "j1": 2}
