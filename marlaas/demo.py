@@ -88,7 +88,8 @@ def run_demo(tenants: int = 4, steps: int | None = None, max_staleness: int = 2,
         summary["tenants"].append({
             "job": j.id, "tenant": s["tenant"], "task": s["task"], "status": s["status"],
             "base_acc": s["base_acc"], "final_acc": s["final_acc"], "steps": s["steps"],
-            "versions": s["version"] + 1, "adapter": path,
+            "versions": s["version"] + 1,
+            "adapter": path and str(Path(path).relative_to(get_settings().home)),  # under MARLAAS_HOME
         })
     console.print(
         f"wall {wall:.0f} s; station busy fractions: "
