@@ -73,3 +73,17 @@ def test_three_tenants_vllm_engine(worker_stack):
     assert any(w.get("engine") == "vllm" for n, w in store.workers().items() if n in new)
     wait_for_workers(store)
     run_and_check(worker_stack.url, seed0=10)
+
+
+def test_a_raising_verifier_stops_only_its_own_job(worker_stack):
+    client = Client(worker_stack.url)
+    rows = [{"prompt": f"max:{i}{i + 1}{i + 2}=", "answer": str(i + 2)} for i in range(7)]
+    broken = client.submit(JobSpec(tenant="broken", dataset=rows, verifier="tests.helpers_verifiers:always_raises",
+                                   steps=2, prompts_per_step=2, group_size=4, eval_size=2))
+    healthy = client.submit(JobSpec(tenant="healthy", task="max", steps=2, prompts_per_step=2, group_size=4,
+                                    eval_size=4))
+    b, h = broken.wait(timeout=600), healthy.wait(timeout=600)
+    assert h["status"] == "done" and h["verify_errors"] == 0
+    # the broken verifier scores 0 and is counted; its job still runs to the end
+    assert b["status"] == "done" and b["verify_errors"] > 0
+    assert all(r == 0.0 for m in broken.metrics()["steps"] for r in [m["reward_mean"]])
