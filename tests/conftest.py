@@ -44,12 +44,23 @@ def redis_url(redis_stack) -> str:
 
 
 @pytest.fixture()
-def store(redis_url):
+def scratch_url(redis_url) -> str:
+    """A scratch Redis DB, flushed before and after the test. DB 0 holds the worker stack's broker
+    queues and is never flushed."""
     from marlaas.store import Store
 
-    s = Store(redis_url)
-    s.r.flushdb()
-    yield s
+    url = redis_url.rsplit("/", 1)[0] + "/1"
+    Store(url).r.flushdb()
+    yield url
+    Store(url).r.flushdb()
+
+
+@pytest.fixture()
+def st(scratch_url):
+    """A Store on the scratch DB."""
+    from marlaas.store import Store
+
+    return Store(scratch_url)
 
 
 @pytest.fixture(scope="session")

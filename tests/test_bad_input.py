@@ -49,11 +49,8 @@ def test_any_spec_is_valid_or_one_clear_error(data):
 
 
 @pytest.fixture()
-def url(redis_url):
-    u = redis_url.rsplit("/", 1)[0] + "/4"
-    Store(u).r.flushdb()
-    yield u
-    Store(u).r.flushdb()
+def url(scratch_url):
+    return scratch_url
 
 
 def _nothing_stored(url):

@@ -39,15 +39,12 @@ def test_64_tenants_share_the_trainer_evenly(worker_stack):
     assert jain(xs) >= 0.95, sorted(xs)
 
 
-def test_weights_are_respected_when_the_trainer_is_contended(redis_url):
+def test_weights_are_respected_when_the_trainer_is_contended(st):
     """Every job always ready (its next step's groups verified): the lane is contended, and the real
     tick over a real Redis gives weight-3 jobs three times the steps of weight-1 jobs."""
     from marlaas import dispatch
     from marlaas.engines.types import AdapterBlob
-    from marlaas.store import Store
 
-    st = Store(redis_url.rsplit("/", 1)[0] + "/6")
-    st.r.flushdb()
     weights = [1.0, 1.0, 1.0, 3.0, 3.0, 3.0]
     ids = [st.create_job(JobSpec(tenant=f"w{i}", task="sort", steps=500, prompts_per_step=1, group_size=2,
                                  max_staleness=0, eval_size=1, weight=w), [{"prompt": "p", "answer": "a"}],
@@ -65,6 +62,5 @@ def test_weights_are_respected_when_the_trainer_is_contended(redis_url):
         token = next(a[2] for n, a in sent if n == "marlaas.train")
         assert st.publish(jid, t, AdapterBlob({}, b""), b"", {"step": t + 1}, token, [t], 500)
         picks[jid] += 1
-    st.r.flushdb()
     # total weight 12 over 120 steps: 10 per weight-1 job, 30 per weight-3 job
     assert [picks[j] for j in ids] == [10, 10, 10, 30, 30, 30]

@@ -110,15 +110,6 @@ def test_render_when_store_is_down_and_special_values():
 
 
 # ------------------------------------------------------------------ against a real store
-@pytest.fixture()
-def st(redis_url):
-    # DB 2: DB 0 holds the worker stack's broker queues and must never be flushed; DB 1 is test_store's.
-    s = Store(redis_url.rsplit("/", 1)[0] + "/2")
-    s.r.flushdb()
-    yield s
-    s.r.flushdb()
-
-
 def build_state(st: Store, now: float) -> dict[str, str]:
     """Two tenants' jobs in the state the stations leave them in; returns tenant -> job id."""
     rows = [{"prompt": f"sort:{i}=", "answer": str(i)} for i in range(6)]

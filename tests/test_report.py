@@ -16,15 +16,6 @@ from marlaas.store import Store
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture()
-def st(redis_url):
-    # DB 2: DB 0 holds the worker stack's broker queues and must never be flushed; DB 1 is test_store's.
-    s = Store(redis_url.rsplit("/", 1)[0] + "/2")
-    s.r.flushdb()
-    yield s
-    s.r.flushdb()
-
-
 def build_jobs(st: Store) -> dict[str, str]:
     """Three tenants' jobs as the stations leave them; returns tenant -> job id."""
     now = time.time()

@@ -7,17 +7,8 @@ import pytest
 from marlaas import dispatch
 from marlaas.engines.types import AdapterBlob, AdapterRef
 from marlaas.spec import JobSpec
-from marlaas.store import Store
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture()
-def st(redis_url):
-    # DB 1: the worker stack's broker queues live in DB 0 and must never be flushed.
-    s = Store(redis_url.rsplit("/", 1)[0] + "/1")
-    s.r.flushdb()
-    return s
 
 
 def make_job(st, **kw):

@@ -13,11 +13,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture()
-def url(redis_url):
-    u = redis_url.rsplit("/", 1)[0] + "/3"
-    Store(u).r.flushdb()
-    yield u
-    Store(u).r.flushdb()
+def url(scratch_url):
+    return scratch_url
 
 
 def spec(**kw):

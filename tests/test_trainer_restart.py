@@ -16,17 +16,8 @@ from marlaas.engines.generation import make_engine
 from marlaas.engines.training import TrainingEngine
 from marlaas.engines.types import AdapterRef
 from marlaas.spec import JobSpec
-from marlaas.store import Store
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture()
-def st(redis_url):
-    s = Store(redis_url.rsplit("/", 1)[0] + "/5")
-    s.r.flushdb()
-    yield s
-    s.r.flushdb()
 
 
 def one_step(st, gen, trainer, jid, t, P):
