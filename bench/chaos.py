@@ -39,6 +39,7 @@ def main() -> None:
         "command": f"bench/chaos.py --kills {a.kills} --tenants {a.tenants} --steps {a.steps} --seed {a.seed}",
         "kills_survived": len([e for e in out["events"] if e[0] == "kill"]),
         "broker_restarts": len([e for e in out["events"] if e[0] == "broker-restart"]),
+        "revived_after_exit": len([e for e in out["events"] if e[0] == "revived"]),
         "jobs_done": sum(j["status"] == "done" for j in out["jobs"]),
         "jobs": len(out["jobs"]),
         "lost_steps": lost,

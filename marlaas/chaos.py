@@ -1,7 +1,8 @@
 """Fault injection: SIGKILL random station processes (and restart the broker) while tenants train.
 
 Used by tests/test_chaos.py and bench/chaos.py. The stack is private (its own Redis, started from
-the Procfile lines) with short leases, so lost work is re-dispatched within seconds. Invariants
+the Procfile lines) with short leases, so lost work is re-dispatched within seconds, and the harness
+acts as the process supervisor a deployment has: processes that exit on their own are started again. Invariants
 checked by the callers: every job finishes with versions 1..steps published once each, in order,
 each trained only on groups within its staleness bound.
 """
@@ -21,7 +22,8 @@ VICTIMS = ("generate", "verify", "train", "control", "beat")
 TASKS = ("sort", "reverse", "max", "min", "add", "code")
 
 
-def run_chaos(base, log_dir, tenants=8, kills=6, steps=4, seed=0, deadline_s=900, broker_restart=True):
+def run_chaos(base, log_dir, tenants=8, kills=6, steps=4, seed=0, deadline_s=900, broker_restart=True,
+              interval=(1.0, 3.0)):
     env = {"MARLAAS_BASE": str(base), "MARLAAS_ENGINE": "hf", "MARLAAS_LEASE_S": "8"}
     stack = Stack(env=env, log_dir=log_dir)
     rng = random.Random(seed)
@@ -39,7 +41,10 @@ def run_chaos(base, log_dir, tenants=8, kills=6, steps=4, seed=0, deadline_s=900
         while time.time() - t0 < deadline_s:
             if all(j.status()["status"] in ("done", "failed", "cancelled") for j in jobs):
                 break
-            time.sleep(rng.uniform(1.0, 3.0))
+            time.sleep(rng.uniform(*interval))
+            # Like any process supervisor: a worker that exited on its own (Celery's prefork worker can
+            # die while the broker restarts) is started again, and the harness records it.
+            log += [("revived", name, round(time.time() - t0, 1)) for name in stack.revive()]
             if len([e for e in log if e[0] == "kill"]) < kills:
                 name = rng.choice(VICTIMS)
                 stack.kill(name, signal.SIGKILL)

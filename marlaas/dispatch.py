@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from marlaas import scheduler
 from marlaas.settings import get_settings
-from marlaas.store import Store, item_name, parse_item
+from marlaas.store import Store, item_name, parse_item, spec_from_json
 
 Send = Callable[[str, list], None]
 
@@ -33,8 +33,6 @@ def snapshot(store: Store, now: float) -> scheduler.Snapshot:
     for jid, vals in zip(ids, raw):
         if vals[0] is None or vals[4] is None or vals[4].decode() not in ("running", "evaluating"):
             continue
-        from marlaas.store import spec_from_json
-
         spec = spec_from_json(vals[0].decode())
         t = int(vals[1])
         groups = scheduler.step_groups(t, spec.prompts_per_step) if t < spec.steps else []

@@ -234,6 +234,14 @@ class Stack:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
 
+    def revive(self) -> list[str]:
+        """Supervisor duty: start again every process that has exited on its own; returns their names."""
+        dead = [n for n, p in self.procs.items() if p.poll() is not None]
+        for n in dead:
+            self.procs.pop(n)
+            self.start(n)
+        return dead
+
     def restart(self, name: str, env: dict[str, str] | None = None) -> None:
         self.kill(name, signal.SIGTERM)
         self.start(name, env=env)
