@@ -354,18 +354,24 @@ class Store:
         self.r.hset(job_key(jid), "dispatched", new_total)
 
     # ---------------------------------------------------------------- rollouts
-    def put_rollout(self, jid: str, g: int, version: int, data: dict) -> str:
-        """Store a (re)generated group; invalidates rewards of any earlier attempt. Returns the attempt id."""
+    def _put_attempt(self, key: str, version: int, data: dict, done: str, next_lease: str, *extra) -> str:
+        """Store a (re)generated result under a fresh attempt id: its lease moves from generation
+        (`done`) to verification (`next_lease`); `extra` are more pipeline calls to run atomically."""
         attempt = uuid.uuid4().hex
         p = self.r.pipeline(transaction=True)
-        k = roll_key(jid, g)
-        p.delete(k)
-        p.hset(k, mapping={"attempt": attempt, "version": version, "data": json.dumps(data)})
-        p.srem(verified_key(jid), g)
-        p.zrem(LEASES, item_name("gen", jid, g))
-        p.zadd(LEASES, {item_name("ver", jid, g): time.time() + get_settings().lease_s})
+        p.delete(key)
+        p.hset(key, mapping={"attempt": attempt, "version": version, "data": json.dumps(data)})
+        for method, *args in extra:
+            getattr(p, method)(*args)
+        p.zrem(LEASES, done)
+        p.zadd(LEASES, {next_lease: time.time() + get_settings().lease_s})
         p.execute()
         return attempt
+
+    def put_rollout(self, jid: str, g: int, version: int, data: dict) -> str:
+        """Store a (re)generated group; invalidates rewards of any earlier attempt. Returns the attempt id."""
+        return self._put_attempt(roll_key(jid, g), version, data, item_name("gen", jid, g),
+                                 item_name("ver", jid, g), ("srem", verified_key(jid), g))
 
     def rollout(self, jid: str, g: int) -> dict | None:
         h = self.r.hgetall(roll_key(jid, g))
@@ -402,14 +408,7 @@ class Store:
 
     # ---------------------------------------------------------------- evaluation
     def put_eval_rollout(self, jid: str, v: int, data: dict) -> str:
-        attempt = uuid.uuid4().hex
-        p = self.r.pipeline(transaction=True)
-        p.delete(eval_key(jid, v))
-        p.hset(eval_key(jid, v), mapping={"attempt": attempt, "version": v, "data": json.dumps(data)})
-        p.zrem(LEASES, item_name("eval", jid, v))
-        p.zadd(LEASES, {item_name("evalver", jid, v): time.time() + get_settings().lease_s})
-        p.execute()
-        return attempt
+        return self._put_attempt(eval_key(jid, v), v, data, item_name("eval", jid, v), item_name("evalver", jid, v))
 
     def eval_rollout(self, jid: str, v: int) -> dict | None:
         h = self.r.hgetall(eval_key(jid, v))
@@ -489,10 +488,8 @@ class Store:
         return bool(self._claim(keys=[TRAINER], args=[token, worker]))
 
     def advance_pass(self, jid: str, weight: float) -> None:
-        p = self.r.pipeline()
-        p.hincrbyfloat(job_key(jid), "pass", 1.0 / weight)
-        p.execute()
-        new = float(self.r.hget(job_key(jid), "pass"))
+        """Charge the job one trainer step; the virtual time is the pass it was picked at."""
+        new = float(self.r.hincrbyfloat(job_key(jid), "pass", 1.0 / weight))
         self.r.set(VT, new - 1.0 / weight)
 
     # ---------------------------------------------------------------- scheduler mutex and kicks

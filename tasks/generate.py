@@ -24,12 +24,6 @@ def engine():
     return _engine
 
 
-def _last_error() -> BaseException:
-    import sys
-
-    return sys.exc_info()[1]
-
-
 @app.task(name="marlaas.generate", ignore_result=True)
 def generate(batch_id: str, items: list[list]) -> dict:
     jobs = [it[1] for it in items]
@@ -38,9 +32,9 @@ def generate(batch_id: str, items: list[list]) -> dict:
         with station_event("generate", jobs, items=len(items)):
             try:
                 to_verify = stations.run_generate(store(), engine(), items)
-            except Exception:
+            except Exception as err:
                 if len(set(jobs)) == 1:
-                    stations.count_failure(store(), jobs[0], "generate", _last_error())
+                    stations.count_failure(store(), jobs[0], "generate", err)
                     raise
                 # One job's broken adapter or prompt must not stop the others: retry per job.
                 for jid in sorted(set(jobs)):
