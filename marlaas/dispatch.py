@@ -15,7 +15,16 @@ from collections.abc import Callable
 
 from marlaas import scheduler
 from marlaas.settings import get_settings
-from marlaas.store import Store, item_name, parse_item, spec_from_json
+from marlaas.store import (
+    LEASES,
+    Store,
+    evals_key,
+    item_name,
+    job_key,
+    parse_item,
+    spec_from_json,
+    verified_key,
+)
 
 Send = Callable[[str, list], None]
 
@@ -26,7 +35,7 @@ def snapshot(store: Store, now: float) -> scheduler.Snapshot:
     ids = store.active_job_ids()
     p = store.r.pipeline(transaction=False)
     for jid in ids:
-        p.hmget(f"m:job:{jid}", ["spec", "version", "dispatched", "pass", "status"])
+        p.hmget(job_key(jid), ["spec", "version", "dispatched", "pass", "status"])
     raw = p.execute()
     jobs = []
     p = store.r.pipeline(transaction=False)
@@ -36,16 +45,15 @@ def snapshot(store: Store, now: float) -> scheduler.Snapshot:
         spec = spec_from_json(vals[0].decode())
         t = int(vals[1])
         groups = scheduler.step_groups(t, spec.prompts_per_step) if t < spec.steps else []
-        jobs.append((jid, spec, t, int(vals[2]), float(vals[3] or 0.0), groups))
-        p.smismember(f"m:job:{jid}:verified", groups or ["-1"])
         evs = [0, spec.steps] if t >= spec.steps else [0]
-        p.hmget(f"m:job:{jid}:evals", [str(v) for v in evs])
-        p.zmscore("m:leases", [item_name(k, jid, v) for v in evs for k in ("eval", "evalver")])
+        jobs.append((jid, spec, t, int(vals[2]), float(vals[3] or 0.0), groups, evs))
+        p.smismember(verified_key(jid), groups or ["-1"])
+        p.hmget(evals_key(jid), [str(v) for v in evs])
+        p.zmscore(LEASES, [item_name(k, jid, v) for v in evs for k in ("eval", "evalver")])
     raw = p.execute()
     states = []
-    for i, (jid, spec, t, d, pv, groups) in enumerate(jobs):
+    for i, (jid, spec, t, d, pv, groups, evs) in enumerate(jobs):
         verified, evals_done, leased = raw[3 * i], raw[3 * i + 1], raw[3 * i + 2]
-        evs = [0, spec.steps] if t >= spec.steps else [0]
         need = tuple(
             v for k, v in enumerate(evs)
             if evals_done[k] is None and leased[2 * k] is None and leased[2 * k + 1] is None
