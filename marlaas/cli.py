@@ -50,6 +50,37 @@ def base_build(
             console.print(f"  {fam:10s} greedy {v.get('greedy_acc', 0):.2f}  pass@8 {v.get('pass_at_8', 0):.2f}")
 
 
+@base_app.command("push")
+def base_push(
+    src: Path = typer.Argument(None, help="Model directory (default: MARLAAS_BASE)."),
+    url: str = typer.Option(None, help="fsspec URL the workers can read (large bases); default: into Redis."),
+    replace: bool = typer.Option(False, help="Replace a different pushed base (only with no active job)."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Put the base model into the store; workers without a local base fetch it (no shared disk)."""
+    from marlaas import basestore
+    from marlaas.settings import get_settings
+    from marlaas.store import Store
+
+    m = basestore.push(Store(), src or get_settings().base_path, url=url, replace=replace)
+    out = {"name": m["name"], "hash": m["hash"], "bytes": m["bytes"], "files": len(m["files"]), "url": m["url"]}
+    if not _emit(out, as_json):
+        where = m["url"] or "the store"
+        console.print(f"base {m['name']!r} ({m['hash'][:12]}, {m['bytes'] / 2**20:.1f} MiB) pushed to {where}")
+
+
+@base_app.command("fetch")
+def base_fetch(as_json: bool = typer.Option(False, "--json")):
+    """Fetch the pushed base into this host's cache ($MARLAAS_HOME/cache/base); workers do it on start."""
+    from marlaas import basestore
+    from marlaas.settings import get_settings
+    from marlaas.store import Store
+
+    path = basestore.fetch(Store(), get_settings().home / "cache" / "base")
+    if not _emit({"path": str(path)}, as_json):
+        console.print(f"base at {path}")
+
+
 @app.command()
 def up(as_json: bool = typer.Option(False, "--json")):
     """Start the embedded stack (Redis, workers, beat, Flower) in the background."""
@@ -142,6 +173,28 @@ def status(
     console.print(t)
 
 
+@app.command("eval")
+def eval_(
+    job: str = typer.Argument(..., help="A job id."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Show a job's held-out evaluations: greedy pass@1 and sampled pass@k per adapter version."""
+    from rich.table import Table
+
+    from marlaas.client import Client
+
+    j = Client().job(job)
+    rows = j.evals()
+    if _emit(rows, as_json):
+        return
+    k = max((r["k"] for r in rows), default=0)
+    t = Table("version", "pass@1 greedy", "pass@1 sampled", f"pass@{k}" if k else "pass@k", "n",
+              title=f"{job} held-out evaluation ({j.status()['status']})")
+    for r in rows:
+        t.add_row(str(r["version"]), _f(r["acc"]), _f(r["pass1_sampled"]), _f(r["pass_at_k"]), str(r["n"]))
+    console.print(t)
+
+
 @app.command()
 def cancel(job: str, as_json: bool = typer.Option(False, "--json")):
     """Cancel a job."""
@@ -229,6 +282,39 @@ def metrics_server(
             signal.pause()
     h, p = server.server_address[:2]
     console.print(f"metrics at http://{h}:{p}/metrics", markup=False, highlight=False)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+
+
+@app.command("tool-server")
+def tool_server(
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+    port: int = typer.Option(9110, min=0, max=65535, help="TCP port (0 = any free port)."),
+    latency_ms: float = typer.Option(100.0, "--latency-ms", min=0.0,
+                                     help="Per-call latency in ms, standing for a remote tool."),
+):
+    """Serve the calculator tool of tool tasks (POST /calc {"expr": ...}) until stopped."""
+    import errno
+    import signal
+
+    from marlaas.tools import make_server
+
+    try:
+        server = make_server(host, port, latency_ms=latency_ms)
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise MarlaasError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        # Under honcho one exiting process stops the whole stack: stay up; tool calls then fail
+        # (episodes get error results) unless the process on that port is a calculator too.
+        err.print(f"error: {host}:{port} is in use; the calculator is not served here "
+                  "(set MARLAAS_TOOL_PORT and MARLAAS_TOOL_URL)", style="red", markup=False, highlight=False,
+                  soft_wrap=True)
+        while True:
+            signal.pause()
+    h, p = server.server_address[:2]
+    console.print(f"calculator tool at http://{h}:{p} ({latency_ms:g} ms per call)", markup=False, highlight=False)
     try:
         server.serve_forever()
     finally:

@@ -52,8 +52,9 @@ class Client:
         if spec.lora.rank > max_rank:
             raise SpecError(f"invalid job spec: lora.rank: {spec.lora.rank} exceeds the maximum {max_rank}")
         train, held = job_rows(spec)
+        train, held, how = _chat_template(dep.get("base"), spec, train, held)
         _check_context(dep.get("base"), spec, train, held)
-        return Job(self, self.store.create_job(spec, train, held))
+        return Job(self, self.store.create_job(spec, train, held, info={"chat_template": how}))
 
     def job(self, job_id: str) -> Job:
         self.record(job_id)
@@ -76,17 +77,42 @@ class Client:
 
 
 @lru_cache(maxsize=4)
+def _base_tokenizer(base: str):
+    """The tokenizer of a base directory this machine can read, else None."""
+    from marlaas.basemodel import load_tokenizer
+
+    return load_tokenizer(base) if (Path(base) / "config.json").is_file() else None
+
+
+@lru_cache(maxsize=4)
 def _base_limits(base: str):
     """(tokenizer, context length) of a base directory this machine can read, else None."""
     import json as _json
 
-    from marlaas.basemodel import load_tokenizer
-
-    cfg = Path(base) / "config.json"
-    if not cfg.is_file():
+    tok = _base_tokenizer(base)
+    if tok is None:
         return None
-    n = _json.loads(cfg.read_text()).get("max_position_embeddings")
-    return (load_tokenizer(base), int(n)) if n else None
+    n = _json.loads((Path(base) / "config.json").read_text()).get("max_position_embeddings")
+    return (tok, int(n)) if n else None
+
+
+def _chat_template(base: str | None, spec: JobSpec, train: list[dict], held: list[dict]):
+    """(train, held, how): the rows with prompts rendered by the base's chat template when the base
+    has one and the job does not opt out (`datasets_io.render_chat`), so generation, training and
+    evaluation all see the same text. `how`, recorded in the job as "chat_template": "applied",
+    "off" (the job opted out), "none" (the base has no template) or "base not readable here" (the
+    submitting machine cannot read the base: prompts stay raw)."""
+    from marlaas.datasets_io import has_chat_template, render_chat
+
+    if spec.chat_template is False:
+        return train, held, "off"
+    tok = _base_tokenizer(base) if base else None
+    if tok is None or not has_chat_template(tok):
+        if spec.chat_template:
+            why = "is not readable on this machine" if tok is None else "has no chat template"
+            raise SpecError(f"invalid job spec: chat_template is true, but the base model {why}")
+        return train, held, "base not readable here" if tok is None else "none"
+    return render_chat(train, tok, "dataset"), render_chat(held, tok, "eval_dataset"), "applied"
 
 
 def _check_context(base: str | None, spec: JobSpec, train: list[dict], held: list[dict]) -> None:
@@ -139,6 +165,8 @@ class Job:
             "final_acc": evals.get(spec.steps, {}).get("acc"),
             "regenerated": int(rec.extra.get("regenerated", 0)),
             "verify_errors": int(rec.extra.get("verify_errors", 0)),
+            "tool_calls": int(rec.extra.get("tool_calls", 0)),  # tool tasks (marlaas.agentic)
+            "tool_errors": int(rec.extra.get("tool_errors", 0)),
             "error": rec.extra.get("error"),
         }
 
@@ -167,9 +195,19 @@ class Job:
             self.store.set_status(self.id, "cancelled")
 
     def metrics(self) -> dict:
-        """Per-step training metrics and held-out evaluations by version."""
+        """Per-step training metrics and held-out evaluations by version: `evals[v]` holds acc
+        (greedy pass@1), n (prompts), k (samples per prompt), pass1_sampled, pass_at_k, pass_at
+        ({k: pass@k}), at, and the greedy outputs (see `marlaas.evaluation`)."""
         self.client.record(self.id)
         return {"steps": self.store.metrics(self.id), "evals": self.store.evals(self.id)}
+
+    def evals(self) -> list[dict]:
+        """The held-out evaluations so far, one row per evaluated version (ascending), without
+        outputs: version, acc (greedy pass@1), pass1_sampled, pass_at_k, k, n, pass_at, at."""
+        from marlaas.evaluation import table_row
+
+        self.client.record(self.id)
+        return [table_row(v, e) for v, e in sorted(self.store.evals(self.id).items())]
 
     def download_adapter(self, out_dir: str | Path, version: int | None = None) -> Path:
         """Write a published adapter version (default: the newest) as a PEFT adapter directory."""

@@ -1,59 +1,34 @@
 """Prompt rows of a job: built-in task families or the user's own data, validated at submit.
 
 A row is a dict with a non-empty string "prompt" and the fields its verifier needs ("answer" for
-exact / math, "tests" for code). Training rows are shuffled once by the job's seed; group g of the
-job samples row g mod n (see `stations.train_row_index`).
+exact / math, "tests" for code); user data is read and mapped by `marlaas.datasets_io`. Held-out
+rows: `eval_dataset`, else the held-out split of a DatasetDict `dataset`, else 10% of `dataset`.
+Training rows are shuffled once by the job's seed; group g of the job samples row g mod n (see
+`stations.train_row_index`).
 """
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
+from marlaas import datasets_io
+from marlaas.datasets_io import Fields
 from marlaas.errors import SpecError
 from marlaas.spec import JobSpec
 
 MAX_TRAIN_ROWS_BUILTIN = 2048
 
 
-def load_rows(src: list[dict] | str, what: str = "dataset") -> list[dict]:
-    """Rows from a list or a local JSONL file; a bad row raises SpecError naming it."""
-    if isinstance(src, list):
-        return [dict(r) for r in src]
-    path = Path(src)
-    if not path.is_file():
-        raise SpecError(f"{what} file not found: {src}")
-    rows = []
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise SpecError(f"{what} {path.name}: not UTF-8 ({e.reason} at byte {e.start})") from None
-    for i, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SpecError(f"{what} {path.name} line {i}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise SpecError(f"{what} {path.name} line {i}: expected a JSON object")
-        rows.append(row)
-    if not rows:
-        raise SpecError(f"{what} {path.name} has no rows")
-    return rows
+def load_rows(src: list[dict] | str, what: str = "dataset", fields: Fields = Fields(),
+              verifier: str | None = None, split: str | None = None,
+              default_splits: tuple[str, ...] = datasets_io.TRAIN_SPLITS) -> list[dict]:
+    """Rows from a list, a JSONL or parquet file or a `datasets` directory, mapped to our shape
+    (see `marlaas.datasets_io`); a bad row raises SpecError naming the file and line or row."""
+    return datasets_io.load(src, what, fields, verifier, split, default_splits)
 
 
-def check_rows(rows: list[dict], verifier: str, what: str = "dataset") -> None:
-    for i, row in enumerate(rows):
-        if not isinstance(row.get("prompt"), str) or not row["prompt"]:
-            raise SpecError(f"{what} row {i}: needs a non-empty string 'prompt'")
-        if verifier == "code":
-            tests = row.get("tests")
-            if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
-                raise SpecError(f"{what} row {i}: the code verifier needs 'tests', a list of assert statements")
-        elif verifier in ("exact", "math") and "answer" not in row:
-            raise SpecError(f"{what} row {i}: the {verifier} verifier needs an 'answer'")
+def fields_of(spec: JobSpec) -> Fields:
+    return Fields(prompt=spec.prompt_field, answer=spec.answer_field, tests=spec.tests_field)
 
 
 def job_rows(spec: JobSpec) -> tuple[list[dict], list[dict]]:
@@ -66,9 +41,14 @@ def job_rows(spec: JobSpec) -> tuple[list[dict], list[dict]]:
         train = families.rows(spec.task, "train", n, spec.seed)
         held = families.rows(spec.task, "eval", spec.eval_size, spec.seed)
     else:
-        train = load_rows(spec.dataset)
+        fields = fields_of(spec)
+        train = load_rows(spec.dataset, "dataset", fields, verifier, spec.dataset_split)
+        held_split = _held_split_of_dataset(spec)
         if spec.eval_dataset is not None:
-            held = load_rows(spec.eval_dataset, "eval_dataset")
+            held = load_rows(spec.eval_dataset, "eval_dataset", fields, verifier, spec.eval_dataset_split,
+                             datasets_io.EVAL_SPLITS)
+        elif held_split is not None:
+            held = load_rows(spec.dataset, "dataset", fields, verifier, held_split)
         else:
             rng = random.Random(spec.seed)
             order = list(range(len(train)))
@@ -76,10 +56,26 @@ def job_rows(spec: JobSpec) -> tuple[list[dict], list[dict]]:
             k = max(1, len(train) // 10) if len(train) > 1 else 0
             held = [train[i] for i in order[:k]]
             train = [train[i] for i in order[k:]] or train
-        check_rows(train, verifier)
-        check_rows(held, verifier, "eval_dataset")
         held = held[: spec.eval_size]
     if not held:
         raise SpecError("no held-out rows: give eval_dataset or at least 2 dataset rows")
     random.Random(spec.seed).shuffle(train)
     return train, held
+
+
+def _held_split_of_dataset(spec: JobSpec) -> str | None:
+    """With no eval_dataset and a DatasetDict `dataset`: its held-out split (`eval_dataset_split`,
+    else the first of "test", "validation" it has), unless that is the training split itself."""
+    if spec.eval_dataset is not None:
+        return None
+    splits = datasets_io.dict_splits(spec.dataset) if isinstance(spec.dataset, str) else None
+    if splits is None:
+        if spec.eval_dataset_split is not None:
+            raise SpecError("eval_dataset_split is only for a DatasetDict directory (as eval_dataset or dataset)")
+        return None
+    train_split = datasets_io.pick_split(splits, spec.dataset_split, datasets_io.TRAIN_SPLITS, "dataset")
+    if spec.eval_dataset_split is not None:
+        held = datasets_io.pick_split(splits, spec.eval_dataset_split, (), "dataset")
+    else:
+        held = next((s for s in datasets_io.EVAL_SPLITS if s in splits), None)
+    return held if held != train_split else None

@@ -18,6 +18,13 @@ Families (prompt -> answer):
 - add      "add:47+5=" -> "52"               math    (wrong: off by one, a+b+1)
 - code     "code:417>" -> any Python expression equal to 417, e.g. "410+7"; code verifier
            (wrong: an expression off by one, "417+1")
+- calc     "calc:47*38=" -> "1786"           tool    a multi-turn tool task (`marlaas.episodes`): the
+           model may call a calculator, "[47*38]", generation stops at "]", the tool's result is
+           appended as "=1786;" and the model goes on; the reward is an exact match of the text
+           after the last tool result. Right label "[47*38]=1786;1786" (uses the tool and copies
+           its result); wrong label: answers directly with the product of the tens digits,
+           "1200" (a plausible estimate; +10 when it happens to be exact). Two-digit operands
+           are too hard for the tiny model to multiply alone: RL has to learn to call the tool.
 
 max/min inputs are drawn so that every answer digit is equally likely: no single answer is right
 more often than 1/8, below the base model's accuracy (a family where always giving the majority
@@ -57,6 +64,7 @@ class Family:
     parse: Callable[[str], tuple] = field(repr=False)
     label: Callable[[tuple], str] | None = field(default=None, repr=False)
     tests: Callable[[tuple], list[str]] | None = field(default=None, repr=False)
+    tool: str | None = None  # a tool the episode may call (multi-turn, `marlaas.episodes`)
 
     def correct_label(self, x: tuple) -> str:
         """The completion pretraining teaches as right for input x."""
@@ -157,6 +165,26 @@ def _code_label(x: tuple) -> str:
     return f"{n - n % 10}+{n % 10}"  # 417 -> "410+7"
 
 
+# ---- calc (multi-turn, with a calculator tool) -------------------------------------------------
+
+
+def _calc_sample(rng: random.Random) -> tuple:
+    return (rng.randint(10, 99), rng.randint(10, 99))
+
+
+_calc_body = _body("calc:", "=")
+
+
+def _calc_parse(prompt: str) -> tuple:
+    a, b = _calc_body(prompt).split("*")
+    return (int(a), int(b))
+
+
+def _calc_wrong(x: tuple) -> str:
+    est = (x[0] // 10) * (x[1] // 10) * 100  # product of the tens digits: a plausible estimate
+    return str(est + 10 if est == x[0] * x[1] else est)
+
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in [
@@ -221,6 +249,18 @@ FAMILIES: dict[str, Family] = {
             parse=lambda p: (int(_code_body(p)),),
             label=_code_label,
             tests=lambda x: [f"assert result == {x[0]}"],
+        ),
+        Family(
+            "calc",
+            "tool",
+            "Multiply two two-digit numbers; a calculator tool may be called as [expr].",
+            sample=_calc_sample,
+            prompt=lambda x: f"calc:{x[0]}*{x[1]}=",
+            answer=lambda x: str(x[0] * x[1]),
+            wrong=_calc_wrong,
+            parse=_calc_parse,
+            label=lambda x: f"[{x[0]}*{x[1]}]={x[0] * x[1]};{x[0] * x[1]}",
+            tool="calc",
         ),
     ]
 }
@@ -354,6 +394,10 @@ def correct(name: str, prompt: str, completion: str) -> bool:
     """Reference check: is `completion` a right answer to `prompt` of family `name`?"""
     fam = get(name)
     x = fam.parse(prompt)
+    if fam.tool is not None:
+        from marlaas.episodes import final_answer
+
+        completion = final_answer(completion)
     if fam.verifier == "code":
         return run_tests(completion, fam.tests(x) if fam.tests else [])
     if fam.verifier == "math":

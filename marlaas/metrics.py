@@ -45,6 +45,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "marlaas_job_staleness": ("gauge", "Largest staleness (trained version minus sampling version) in the last step."),
     "marlaas_job_max_staleness": ("gauge", "The job's staleness bound S (max_staleness)."),
     "marlaas_job_eval_accuracy": ("gauge", "Held-out greedy accuracy of each evaluated adapter version."),
+    "marlaas_job_eval_pass_at_k": ("gauge", "Held-out sampled pass@k (unbiased) of each evaluated version and k."),
     "marlaas_job_status": ("gauge", "1 for the job's current status (label status)."),
     "marlaas_job_regenerated_total": ("counter", "Rollout groups thrown away and generated again."),
     "marlaas_job_verify_errors_total": ("counter", "Verifier errors while scoring the job's rollouts."),
@@ -80,6 +81,7 @@ def _collect(store, now: float, window_s: float, finished_within_s: float | None
             continue
         last = store.last_metrics(jid) or {}
         stale = last.get("staleness")
+        evs = dict(sorted(store.evals(jid).items()))
         jobs.append({
             "job": jid,
             "tenant": rec.tenant,
@@ -92,7 +94,8 @@ def _collect(store, now: float, window_s: float, finished_within_s: float | None
             "max_staleness": rec.spec.max_staleness,
             "regenerated": int(rec.extra.get("regenerated") or 0),
             "verify_errors": int(rec.extra.get("verify_errors") or 0),
-            "evals": {v: e.get("acc") for v, e in sorted(store.evals(jid).items())},
+            "evals": {v: e.get("acc") for v, e in evs.items()},
+            "pass_at": {v: e.get("pass_at", {}) for v, e in evs.items()},
         })
     lease = store.trainer_lease()
     workers = dict.fromkeys(WORKER_STATIONS, 0)
@@ -160,6 +163,10 @@ def render(snapshot: dict) -> str:
         for v, acc in sorted((int(v), a) for v, a in j.get("evals", {}).items()):
             if acc is not None:
                 samples["marlaas_job_eval_accuracy"].append(({**base, "version": v}, acc))
+        for v, by_k in sorted((int(v), p) for v, p in j.get("pass_at", {}).items()):
+            for k, val in sorted(by_k.items(), key=lambda kv: int(kv[0])):
+                if val is not None:
+                    samples["marlaas_job_eval_pass_at_k"].append(({**base, "version": v, "k": int(k)}, val))
         samples["marlaas_job_status"].append(({**base, "status": j["status"]}, 1))
         samples["marlaas_job_regenerated_total"].append((base, j.get("regenerated", 0)))
         samples["marlaas_job_verify_errors_total"].append((base, j.get("verify_errors", 0)))

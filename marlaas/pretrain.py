@@ -8,7 +8,10 @@ one. The share is not uniform: on "strong" inputs (first character of the input 
 about a third) the right answer is the majority, on the others the wrong one. A uniform 30% right
 makes a calibrated model answer wrong greedily everywhere (greedy accuracy ~0); this split gives
 greedy accuracy ~0.3 with pass@8 well above it, and a behaviour RL can move. Harder families get a
-larger share of each batch. Loss is on the completion tokens and EOS only.
+larger share of each batch. Loss is on the completion tokens and EOS only, never on a tool
+family's tool-result tokens (`episodes.action_mask`): the right calc label "[47*38]=1786;1786"
+teaches calling the tool and copying its result, the wrong one a direct estimate. Evaluation runs
+a tool family's episodes with the calculator in-process (`tools.calculate`, no service needed).
 
 `build_base` writes an ordinary Hugging Face directory plus `marlaas_base.json` (preset, seed,
 steps, per-family greedy accuracy and pass@8 on the "eval" split). `ensure_base` builds only when
@@ -77,15 +80,15 @@ def _visible(prompt: str, pct: int) -> bool:
     return families.bucket(prompt, "pretrain-visible") < pct
 
 
-def _example(fam: families.Family, rng: random.Random, r: Recipe) -> tuple[str, str]:
-    """One (prompt, completion) pretraining example of `fam` from its visible inputs."""
+def _example(fam: families.Family, rng: random.Random, r: Recipe) -> tuple[str, str, bool]:
+    """One (prompt, completion, tool episode?) pretraining example of `fam` from its visible inputs."""
     while True:
         x = fam.sample(rng)
         p = fam.prompt(x)
         if _visible(p, r.visible_pct):
             break
     right = rng.random() < (r.p_right_strong if strong(fam, x) else r.p_right_weak)
-    return p, (fam.correct_label(x) if right else fam.wrong(x))
+    return p, (fam.correct_label(x) if right else fam.wrong(x)), fam.tool is not None
 
 
 class _Encoder:
@@ -100,14 +103,18 @@ class _Encoder:
 
 
 def _batch(examples, enc: _Encoder):
-    """Left-padded input_ids, attention_mask, position_ids and labels (-100 except completion+EOS)."""
+    """Left-padded input_ids, attention_mask, position_ids and labels (-100 except completion+EOS,
+    and except a tool episode's tool-result tokens)."""
     import torch
 
+    from marlaas.episodes import action_mask
+
     seqs, labs = [], []
-    for p, c in examples:
+    for p, c, tool in examples:
         pi, ci = enc.ids(p), enc.ids(c) + [enc.eos]
         seqs.append(pi + ci)
-        labs.append([-100] * len(pi) + ci)
+        keep = action_mask(c) + [1] if tool else [1] * len(ci)
+        labs.append([-100] * len(pi) + [t if k else -100 for t, k in zip(ci, keep)])
     width = max(map(len, seqs))
     ids = torch.full((len(seqs), width), enc.pad, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -179,6 +186,7 @@ def generate(
     seed: int = 0,
     max_new_tokens: int = families.MAX_ANSWER_TOKENS,
     batch_size: int = 512,
+    stop_ids: tuple[int, ...] = (),
 ):
     """Completions of each prompt, `n` per prompt: (texts, finished), both [prompt][sample].
 
@@ -202,7 +210,7 @@ def generate(
                 **enc,
                 max_new_tokens=max_new_tokens,
                 pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=eos,
+                eos_token_id=[eos, *stop_ids] if stop_ids else eos,
                 **kw,
             )
             new = out[:, enc["input_ids"].shape[1] :]
@@ -212,29 +220,74 @@ def generate(
     return split(texts), split(done)
 
 
+def generate_episodes(model, tokenizer, prompts: list[str], *, n: int = 1, greedy: bool = True, seed: int = 0):
+    """`generate` for a tool family: each completion is a whole episode (model turns stop at a tool
+    call, the calculator runs in-process, at most `episodes.MAX_TURNS` turns). Same return shape."""
+    from marlaas import episodes, tools
+
+    stop = tuple(tokenizer.convert_tokens_to_ids(list(episodes.STOP)))
+    texts, done = generate(model, tokenizer, prompts, n=n, greedy=greedy, seed=seed, stop_ids=stop)
+    eps = [[episodes.start({"ids": [], "logprobs": [], "text": t}, f) for t, f in zip(ts, fs)]
+           for ts, fs in zip(texts, done)]
+    finished = [list(fs) for fs in done]
+    for turn in range(episodes.MAX_TURNS - 1):
+        todo = [(i, j, e) for i, row in enumerate(eps) for j, ep in enumerate(row)
+                if (e := episodes.pending_call(ep)) is not None]
+        if not todo:
+            break
+        ctx = []
+        for i, j, e in todo:
+            try:
+                value = tools.calculate(e)
+            except ValueError:
+                value = None
+            ep = episodes.with_tool_result(eps[i][j], value)
+            eps[i][j] = ep = episodes.append_pending(ep, [])
+            ctx.append(episodes.context(prompts[i], ep))
+        more, more_done = generate(model, tokenizer, ctx, n=1, greedy=greedy, seed=seed + 1 + turn, stop_ids=stop)
+        for (i, j, _), t, f in zip(todo, more, more_done):
+            eps[i][j] = episodes.add_turn(eps[i][j], [], [], t[0], f[0])
+            finished[i][j] = f[0]
+    return [[ep["text"] for ep in row] for row in eps], finished
+
+
 def evaluate(model, tokenizer, eval_n: int = 64, samples: int = 8, seed: int = 0) -> dict:
     """Per family, on `eval_n` prompts of the "eval" split: greedy accuracy, pass@`samples` at
-    temperature 1.0, and the share of greedy completions that ended with EOS (`eos_rate`)."""
+    temperature 1.0, and the share of greedy completions that ended with EOS (`eos_rate`); for a
+    tool family also the share of greedy episodes that called the tool (`tool_call_rate`)."""
+    from marlaas.episodes import CALL_OPEN
+
     names = sorted(families.FAMILIES)
     prompts = {nm: [r["prompt"] for r in families.rows(nm, "eval", eval_n, seed=seed)] for nm in names}
-    allp = [p for nm in names for p in prompts[nm]]
-    greedy, g_done = generate(model, tokenizer, allp, n=1, greedy=True)
-    sampled, _ = generate(model, tokenizer, allp, n=samples, greedy=False, seed=seed + 1)
+    outs = {}
+    for tool in (False, True):  # plain families in one batch, tool families' episodes in another
+        part = [nm for nm in names if (families.FAMILIES[nm].tool is not None) == tool]
+        allp = [p for nm in part for p in prompts[nm]]
+        gen = generate_episodes if tool else generate
+        greedy, g_done = gen(model, tokenizer, allp, n=1, greedy=True)
+        sampled, _ = gen(model, tokenizer, allp, n=samples, greedy=False, seed=seed + 1)
+        k = 0
+        for nm in part:
+            m = len(prompts[nm])
+            outs[nm] = (greedy[k:k + m], g_done[k:k + m], sampled[k:k + m])
+            k += m
     res: dict[str, dict] = {}
-    k = 0
     for nm in names:
-        g_ok = s_ok = fin = 0
-        for p in prompts[nm]:
+        greedy, g_done, sampled = outs[nm]
+        g_ok = s_ok = fin = calls = 0
+        for k, p in enumerate(prompts[nm]):
             g_ok += families.correct(nm, p, greedy[k][0])
             s_ok += any(families.correct(nm, p, c) for c in sampled[k])
             fin += g_done[k][0]
-            k += 1
+            calls += CALL_OPEN in greedy[k][0]
         m = len(prompts[nm])
         res[nm] = {
             "greedy_acc": round(g_ok / m, 4),
             f"pass_at_{samples}": round(s_ok / m, 4),
             "eos_rate": round(fin / m, 4),
         }
+        if families.FAMILIES[nm].tool is not None:
+            res[nm]["tool_call_rate"] = round(calls / m, 4)
     return res
 
 
@@ -293,19 +346,21 @@ def build_base(
 
 
 def ensure_base(path, preset: str = "default", seed: int = 0, progress: bool = True, threads: int = 2) -> Path:
-    """The base model at `path`, built there first if `path/marlaas_base.json` is missing.
+    """The base model at `path`, built there first if `path/marlaas_base.json` is missing or the model
+    there is out of date (another preset or seed, or pretrained on another set of task families, e.g.
+    built before a family was added: it would not know the new task).
 
     The build goes into a temporary sibling directory that is renamed into place, so a crash
     never leaves a half-written model at `path`.
     """
     path = Path(path)
-    if (path / META_FILE).is_file():
+    if is_current(path, preset, seed):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
     try:
         build_base(tmp, preset=preset, seed=seed, progress=progress, threads=threads)
-        if (path / META_FILE).is_file():  # someone else finished first
+        if is_current(path, preset, seed):  # someone else finished first
             return path
         if path.exists():  # a leftover without the marker file: not a finished build
             shutil.rmtree(path)
@@ -318,6 +373,16 @@ def ensure_base(path, preset: str = "default", seed: int = 0, progress: bool = T
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def is_current(path, preset: str = "default", seed: int = 0) -> bool:
+    """True when `path` holds a finished base of this preset and seed, pretrained on today's families."""
+    try:
+        meta = read_meta(path)
+    except (OSError, ValueError):
+        return False
+    return (meta.get("preset") == preset and meta.get("seed") == seed
+            and sorted(meta.get("families", {})) == sorted(families.FAMILIES))
 
 
 def read_meta(path) -> dict:

@@ -1,11 +1,11 @@
 """Run reports: one PNG and one self-contained HTML page for a set of jobs.
 
 The PNG has four panels: mean reward per step (one curve per job, labelled with its tenant),
-held-out greedy accuracy per evaluated version, a staleness histogram of every trained group
+held-out greedy pass@1 (and sampled pass@k, dashed) per evaluated version, a staleness histogram of every trained group
 (grouped bars per tenant), and the station timeline (a Gantt chart, one row per station, bars from
 the event log, each station's busy fraction over the shown window in its label). The HTML page embeds
 that PNG as a base64 data URI (no other file is needed to view it) and has one table per tenant:
-job, task, status, steps, base and final accuracy, regenerated groups, verifier errors.
+job, task, status, steps, base and final accuracy, regenerated groups, verifier errors, final pass@k.
 
 The timeline window runs from the first job's creation to the last recorded activity of the chosen
 jobs; it shows every station event in that window, including other tenants' work sharing the stations.
@@ -50,6 +50,7 @@ def gather(store, job_ids: list[str]) -> dict:
             "last": max(last_at),
             "metrics": steps,
             "evals": {v: e.get("acc") for v, e in sorted(evals.items())},
+            "pass_k": {v: (e.get("k", 0), e.get("pass_at_k")) for v, e in sorted(evals.items())},
             "regenerated": int(rec.extra.get("regenerated") or 0),
             "verify_errors": int(rec.extra.get("verify_errors") or 0),
         })
@@ -94,8 +95,12 @@ def plot_png(data: dict) -> bytes:
         pts = [(v, a) for v, a in j["evals"].items() if a is not None]
         if pts:
             ax_a.plot(*zip(*pts), marker="o", color=c, label=_label(j))
+        pk = [(v, p, k) for v, (k, p) in j.get("pass_k", {}).items() if p is not None]
+        if pk:
+            ax_a.plot([v for v, _, _ in pk], [p for _, p, _ in pk], marker="x", linestyle="--", color=c,
+                      label=f"{_label(j)} pass@{pk[-1][2]}")
     ax_a.set_ylim(-0.03, 1.03)
-    _finish(ax_a, "Held-out greedy accuracy per version", "adapter version", "accuracy")
+    _finish(ax_a, "Held-out greedy pass@1 (solid) and sampled pass@k (dashed)", "adapter version", "accuracy")
 
     for ax in (ax_r, ax_a):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -166,6 +171,12 @@ def _f(x) -> str:
     return "–" if x is None else f"{x:.2f}"
 
 
+def _pk(j: dict, v: int) -> str:
+    """Sampled pass@k of version v as 'pass@k value' ('–' when not evaluated or greedy only)."""
+    k, p = j.get("pass_k", {}).get(v, (0, None))
+    return "–" if p is None else f"pass@{k} {p:.2f}"
+
+
 def html_page(data: dict, png: bytes) -> str:
     """A self-contained HTML page: the figure as a data URI plus one table per tenant."""
     e = html.escape
@@ -192,13 +203,13 @@ def html_page(data: dict, png: bytes) -> str:
     for tenant, jobs in by_tenant.items():
         parts.append(f"<h2>tenant {e(tenant)}</h2>")
         parts.append("<table><tr><th>job</th><th>task</th><th>status</th><th>steps</th><th>base acc</th>"
-                     "<th>final acc</th><th>regenerated</th><th>verify errors</th></tr>")
+                     "<th>final acc</th><th>regenerated</th><th>verify errors</th><th>final pass@k</th></tr>")
         for j in jobs:
             parts.append(
                 f"<tr><td>{e(j['job'])}</td><td class=l>{e(j['task'])}</td><td class=l>{e(j['status'])}</td>"
                 f"<td>{j['version']}/{j['steps_total']}</td><td>{_f(j['evals'].get(0))}</td>"
                 f"<td>{_f(j['evals'].get(j['steps_total']))}</td><td>{j['regenerated']}</td>"
-                f"<td>{j['verify_errors']}</td></tr>"
+                f"<td>{j['verify_errors']}</td><td>{_pk(j, j['steps_total'])}</td></tr>"
             )
         parts.append("</table>")
     parts.append("</body></html>")

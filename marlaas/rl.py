@@ -1,8 +1,10 @@
-"""RL maths: group-relative advantages and the decoupled, truncated PPO policy loss (pure torch).
+"""RL maths: group-relative advantages and the decoupled PPO policy loss (pure torch).
 
 No model here: every function maps tensors to tensors, so each formula is unit-tested on
-hand-computed values (tests/test_rl.py). Shape suffixes: `_G` one value per group member,
-`_B` per sequence of a batch, `_B_T` per (sequence, completion token).
+hand-computed values (tests/test_rl.py, tests/test_losses.py). The selectable pieces (importance
+weights, proximal policies) live in `marlaas.rl_variants`; `spec_loss` wires a job's `RLSpec` to
+them. Shape suffixes: `_G` one value per group member, `_B` per sequence of a batch, `_B_T` per
+(sequence, completion token).
 
 Advantages (one group = the G completions sampled for one prompt, rewards r_1..r_G)
 -----------------------------------------------------------------------------------
@@ -14,37 +16,44 @@ Every token of completion i gets A_i. A group whose rewards are all equal gets A
 Policy loss (per completion token t of sequence i; all log-probs are of the sampled token)
 ------------------------------------------------------------------------------------------
     ratio_it = exp(logp_it - prox_it)                         pi_theta / pi_prox (carries the gradient)
-    w_it     = min(exp(prox_it - behav_it), C)  (detached)   truncated importance weight pi_prox / pi_behav
+    w_it     = importance weight of pi_prox / pi_behav        (detached; truncate = min(., C), mask,
+                                                               none; token or sequence level)
     obj_it   = w_it * min(ratio_it * A_i, clip(ratio_it, 1 - eps, 1 + eps) * A_i)
     k3_it    = exp(ref_it - logp_it) - (ref_it - logp_it) - 1     (only when kl_coef > 0)
     l_it     = -obj_it + kl_coef * k3_it
 
     token:    loss = sum_{i,t} m_it l_it / sum_{i,t} m_it                 (one mean over all tokens)
     sequence: loss = mean_i [ sum_t m_it l_it / sum_t m_it ]              (over sequences with >= 1 token)
+    constant: loss = sum_{i,t} m_it l_it / K                              (K = max_new_tokens x sequences,
+                                                                           Dr. GRPO's constant normaliser)
 
 Here `behav` is the log-prob under which the engine actually sampled (adapter version v at the
-sampling temperature), `prox` the proximal policy (the trainer's weights at the start of this
-step, recomputed) and `ref` the base model (the same network with the adapter disabled).
+sampling temperature), `prox` the proximal policy (recomputed = the trainer's weights at the
+start of this step, A-3PO interpolation, or behav itself for coupled PPO; see
+`marlaas.rl_variants`) and `ref` the base model (the same network with the adapter disabled).
 
 Where this departs from the papers
 ----------------------------------
 - GRPO (Shao et al., 2024, DeepSeekMath): the paper's loss is our `sequence` aggregation with
-  pi_prox = pi_behav (w = 1) and the KL to a separate reference copy. Our reference is the base
-  with the adapter disabled (no second model). The paper leaves the std unspecified; TRL uses the
-  unbiased sample std; we use the population std, so for G = 4 our advantages are sqrt(4/3) larger
-  in magnitude than TRL's.
+  pi_prox = pi_behav (loss kind `ppo`) and the KL to a separate reference copy. Our reference is
+  the base with the adapter disabled (no second model). The paper leaves the std unspecified; TRL
+  uses the unbiased sample std; we use the population std, so for G = 4 our advantages are
+  sqrt(4/3) larger in magnitude than TRL's.
 - Dr. GRPO (Liu et al., 2025): the paper drops the std division AND the per-sequence length
-  normalisation (it divides a token sum by a constant, the generation budget). `drgrpo` here only
-  drops the std; the length bias is removed by choosing `token` aggregation, which divides by the
-  number of tokens in the batch (DAPO-style) instead of a constant.
+  normalisation, dividing each sequence's token sum by a constant generation budget and averaging
+  over sequences. That is `advantage = "drgrpo"` with `aggregation = "constant"` here, with
+  K = max_new_tokens x (sequences in the batch). `token` aggregation (DAPO-style, divide by the
+  batch's token count) also removes the per-sequence length bias but its scale varies by batch.
 - Decoupled PPO (AReaL, Fu et al., 2025): same objective, but AReaL leaves pi_prox / pi_behav
-  uncapped (or masks tokens over a cap). We truncate it at C (truncated importance sampling,
-  Yao et al., 2025, "Your efficient RL framework secretly brings you off-policy RL training"),
-  which bounds the variance from both staleness and sampler/trainer numeric mismatch; TIS's own
-  weight is pi_trainer / pi_sampler, which is our w when pi_prox is the trainer's current policy.
-- The trainer takes ONE optimiser step per batch, so pi_prox = pi_theta at the step start: the
-  ratio is exactly 1 in value (its gradient is grad logp), the clip never binds and the loss
-  reduces to -w A logp per token. The clip is kept for callers that take several steps per batch.
+  uncapped (or masks tokens over a cap). Our default truncates it at C (truncated importance
+  sampling, Yao et al., 2025, "Your efficient RL framework secretly brings you off-policy RL
+  training"), which bounds the variance from both staleness and sampler/trainer numeric mismatch;
+  TIS's own weight is pi_trainer / pi_sampler, which is our w when pi_prox is the trainer's
+  current policy. `mask` (token or sequence) is the veto variant.
+- The trainer takes ONE optimiser step per batch, so with `recompute` pi_prox = pi_theta at the
+  step start: the ratio is exactly 1 in value (its gradient is grad logp), the clip never binds and
+  the loss reduces to -w A logp per token. The clip binds with `a3po` (alpha < 1) and `ppo`, whose
+  anchor lies towards pi_behav, and for callers that take several steps per batch.
 - The k3 estimator is unbiased for KL(pi_theta || pi_ref) only when tokens are sampled from
   pi_theta; here they come from pi_behav and we do not reweight it (as GRPO implementations do).
 """
@@ -54,6 +63,8 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+
+from marlaas import rl_variants
 
 
 def group_advantages(
@@ -69,7 +80,13 @@ def group_advantages(
     raise ValueError(f"unknown advantage mode {mode!r} (expected 'grpo' or 'drgrpo')")
 
 
-def _aggregate(values_B_T: torch.Tensor, mask_B_T: torch.Tensor, aggregation: str) -> torch.Tensor:
+AGGREGATIONS = ("token", "sequence", "constant")
+
+
+def aggregate(
+    values_B_T: torch.Tensor, mask_B_T: torch.Tensor, aggregation: str, constant_norm: float | None = None
+) -> torch.Tensor:
+    """Reduce per-token losses to one scalar: 'token', 'sequence' or 'constant' (module docstring)."""
     if aggregation == "token":
         return (values_B_T * mask_B_T).sum() / mask_B_T.sum().clamp(min=1.0)
     if aggregation == "sequence":
@@ -78,7 +95,11 @@ def _aggregate(values_B_T: torch.Tensor, mask_B_T: torch.Tensor, aggregation: st
         has_tokens_B = lengths_B > 0
         n = has_tokens_B.sum().clamp(min=1)
         return (per_seq_B * has_tokens_B).sum() / n
-    raise ValueError(f"unknown aggregation {aggregation!r} (expected 'token' or 'sequence')")
+    if aggregation == "constant":
+        if constant_norm is None or not constant_norm > 0:
+            raise ValueError(f"'constant' aggregation needs a positive constant_norm, got {constant_norm}")
+        return (values_B_T * mask_B_T).sum() / constant_norm
+    raise ValueError(f"unknown aggregation {aggregation!r} (expected one of {', '.join(AGGREGATIONS)})")
 
 
 def policy_loss(
@@ -88,18 +109,22 @@ def policy_loss(
     advantages_B: torch.Tensor,
     mask_B_T: torch.Tensor,
     clip_eps: float,
-    tis_cap: float,
-    aggregation: Literal["token", "sequence"] = "token",
+    tis_cap: float = 2.0,
+    aggregation: Literal["token", "sequence", "constant"] = "token",
     kl_coef: float = 0.0,
     ref_logprobs_B_T: torch.Tensor | None = None,
+    *,
+    importance: Literal["truncate", "mask", "none"] = "truncate",
+    level: Literal["token", "sequence"] = "token",
+    constant_norm: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Decoupled PPO-clip loss with truncated importance weights and an optional k3 KL term.
+    """Decoupled PPO-clip loss with importance weights (cap `tis_cap`) and an optional k3 KL term.
 
     Returns (loss, stats). Only `logprobs_B_T` carries gradient; prox, behav and ref are treated as
     constants. Padded positions (mask 0) may hold any finite or non-finite value.
     Stats (over masked tokens): `clip_frac` share of tokens whose gradient the clip zeroes,
-    `tis_mean` mean truncated weight, `tis_trunc_frac` share of weights cut at the cap, `kl` mean k3
-    (0 without a reference), `ratio_mean` mean pi_theta / pi_prox.
+    `tis_mean` mean importance weight, `tis_trunc_frac` share of weights cut at the cap (truncate)
+    or zeroed (mask), `kl` mean k3 (0 without a reference), `ratio_mean` mean pi_theta / pi_prox.
     """
     if kl_coef > 0 and ref_logprobs_B_T is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs_B_T")
@@ -113,8 +138,7 @@ def policy_loss(
     adv_B_1 = advantages_B.detach().to(logp.dtype).unsqueeze(1)
 
     ratio = torch.exp(logp - prox)
-    raw_w = torch.exp(prox - behav)
-    w = raw_w.clamp(max=tis_cap)
+    w, cut = rl_variants.importance_weights(prox, behav, m, importance, level, tis_cap)
     surr_unclipped = ratio * adv_B_1
     surr_clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv_B_1
     per_token = -w * torch.minimum(surr_unclipped, surr_clipped)
@@ -128,7 +152,7 @@ def policy_loss(
         if kl_coef > 0:
             per_token = per_token + kl_coef * k3
 
-    loss = _aggregate(per_token, m, aggregation)
+    loss = aggregate(per_token, m, aggregation, constant_norm)
 
     with torch.no_grad():
         n = m.sum().clamp(min=1.0)
@@ -136,8 +160,34 @@ def policy_loss(
         stats = {
             "clip_frac": float(clipped.sum() / n),
             "tis_mean": float((w * m).sum() / n),
-            "tis_trunc_frac": float(((raw_w > tis_cap) & valid).sum() / n),
+            "tis_trunc_frac": float((cut & valid).sum() / n),
             "kl": float(kl),
             "ratio_mean": float((ratio * m).sum() / n),
         }
     return loss, stats
+
+
+def spec_loss(
+    cfg,
+    logprobs_B_T: torch.Tensor,
+    behav_logprobs_B_T: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    *,
+    recomputed_prox_B_T: torch.Tensor | None = None,
+    ref_logprobs_B_T: torch.Tensor | None = None,
+    constant_norm: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss a job's `RLSpec` (`cfg`) selects: its proximal policy, importance weights and
+    aggregation applied through `policy_loss`. `recomputed_prox_B_T` is used by prox = 'recompute'
+    when given (else the detached `logprobs_B_T`, exact for one optimiser step per batch)."""
+    loss_cfg, imp = cfg.loss, cfg.importance
+    mode = "ppo" if loss_cfg.kind == "ppo" else loss_cfg.prox
+    alpha = loss_cfg.alpha if mode == "a3po" else 0.0
+    prox = rl_variants.proximal_logprobs(mode, logprobs_B_T, behav_logprobs_B_T, alpha, recomputed_prox_B_T)
+    return policy_loss(
+        logprobs_B_T, prox, behav_logprobs_B_T, advantages_B, mask_B_T, cfg.clip_eps,
+        tis_cap=getattr(imp, "cap", 1.0), aggregation=cfg.aggregation, kl_coef=cfg.kl_coef,
+        ref_logprobs_B_T=ref_logprobs_B_T, importance=imp.kind, level=getattr(imp, "level", "token"),
+        constant_norm=constant_norm,
+    )  # fmt: skip

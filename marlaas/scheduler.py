@@ -20,7 +20,10 @@ grows by 1 / weight. Over any window a job with weight w gets a share w / sum(w)
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 Item = tuple[str, str, int]  # (kind, job id, group index or version)
 
@@ -67,11 +70,37 @@ class Plan:
     dispatched: dict[str, int] = field(default_factory=dict)
     verify: list[Item] = field(default_factory=list)
     train: tuple[str, int] | None = None
+    relet: int = 0  # the first `relet` items of gen_batches are expired work dispatched again
 
 
 def admission_limit(version: int, staleness: int, groups_per_step: int, steps: int) -> int:
     """Most groups a job may have dispatched at this version."""
     return min((version + staleness + 1) * groups_per_step, steps * groups_per_step)
+
+
+def eval_versions(steps: int, every: int) -> list[int]:
+    """Adapter versions evaluated on the held-out set: 0 (the base), every `every`-th published
+    version (every, 2*every, ... < steps; none when every = 0) and the final one, `steps`."""
+    mid = range(every, steps, every) if every > 0 else range(0)
+    return [0, *mid, steps]
+
+
+def due_evals(version: int, steps: int, every: int) -> list[int]:
+    """The evaluated versions already published at `version` (their adapters exist): the ones an
+    evaluation may be dispatched for now. Evaluations ride in generation batches and never gate
+    a train step; the job is done once every version of `eval_versions` has its evaluation."""
+    return [v for v in eval_versions(steps, every) if v <= version]
+
+
+def evals_to_check(version: int, steps: int, every: int, window: int = 64) -> list[int]:
+    """The due evaluations a tick looks up (done? leased?): while training, version 0 and the
+    newest `window` due ones (bounds the per-tick reads of a long job with a small K; an older one
+    was seen by the ticks right after its publish, and a lost dispatch comes back by lease expiry);
+    once training is over, all of them, so a missed one is still found before the job is done."""
+    due = due_evals(version, steps, every)
+    if version >= steps or len(due) <= window + 1:
+        return due
+    return [0, *due[-window:]]
 
 
 def step_of(group: int, groups_per_step: int) -> int:
@@ -96,6 +125,7 @@ def choose_trainer(jobs: tuple[JobState, ...] | list[JobState]) -> JobState | No
     return min(ready, key=lambda j: (j.pass_value, _id_key(j.id)))
 
 
+@lru_cache(maxsize=65536)
 def _id_key(jid: str) -> tuple[int, str]:
     digits = "".join(c for c in jid if c.isdigit())
     return (int(digits) if digits else 0, jid)
@@ -105,17 +135,28 @@ def _interleave(jobs: tuple[JobState, ...]) -> list[Item]:
     """Admissible new groups of all jobs, merged so that a batch mixes tenants in proportion to their
     weights (the k-th group of a job with weight w gets the key (k + 1) / w; equal keys go to the job
     whose next step is blocked on generation, then to the lower pass)."""
+    return list(_interleave_iter(jobs))
+
+
+def _interleave_iter(jobs: tuple[JobState, ...]):
+    """`_interleave` lazily: a heap holds each admissible job's next key, so taking m items costs
+    O(J log J + m log J) instead of materialising and sorting every admissible group of every job."""
     def urgency(j: JobState):
         blocked = j.dispatched < (j.version + 1) * j.groups_per_step  # its next step lacks groups
         return (0 if blocked else 1, j.pass_value, _id_key(j.id))
 
-    keyed = []
-    for rank, j in enumerate(sorted(jobs, key=urgency)):
-        limit = admission_limit(j.version, j.staleness, j.groups_per_step, j.steps)
-        for k, g in enumerate(range(j.dispatched, limit)):
-            keyed.append(((k + 1) / j.weight, rank, ("gen", j.id, g)))
-    keyed.sort(key=lambda x: (x[0], x[1]))
-    return [it for _, _, it in keyed]
+    open_jobs = [(j, admission_limit(j.version, j.staleness, j.groups_per_step, j.steps)) for j in jobs]
+    open_jobs = sorted(((j, lim) for j, lim in open_jobs if lim > j.dispatched), key=lambda x: urgency(x[0]))
+    heap = [(1.0 / j.weight, rank, 0) for rank, (j, _) in enumerate(open_jobs)]
+    heapq.heapify(heap)
+    while heap:
+        _, rank, k = heap[0]
+        j, limit = open_jobs[rank]
+        yield ("gen", j.id, j.dispatched + k)
+        if j.dispatched + k + 1 < limit:
+            heapq.heapreplace(heap, ((k + 2) / j.weight, rank, k + 1))
+        else:
+            heapq.heappop(heap)
 
 
 def _rows(item: Item, by_id: dict[str, JobState]) -> int:
@@ -132,19 +173,22 @@ def plan(s: Snapshot) -> Plan:
 
     # Work for the generate station, in priority order: lost work first, then evaluations, then new
     # groups interleaved across jobs (one group per job per round) so that a batch mixes tenants.
-    first = [it for it in expired if it[0] in ("gen", "eval")]
+    # "cont" items (a tool episode's next model turn) arrive as leases due at once (deadline 0).
+    first = [it for it in expired if it[0] in ("gen", "cont", "eval")]
     expired_evals = {(it[1], it[2]) for it in first if it[0] == "eval"}
     evals = [("eval", j.id, v) for j in s.jobs for v in j.need_eval if (j.id, v) not in expired_evals]
-    todo = first + evals + _interleave(s.jobs)
+    todo = itertools.chain(first, evals, _interleave_iter(s.jobs))  # lazy: read only what fits
 
     free = max(0, s.gen_capacity - s.gen_inflight)
-    while todo and len(out.gen_batches) < free:
+    it = next(todo, None) if free else None
+    while it is not None and len(out.gen_batches) < free:
         batch, rows = [], 0
-        while todo and (not batch or rows + _rows(todo[0], by_id) <= s.batch_rows):
-            it = todo.pop(0)
+        while it is not None and (not batch or rows + _rows(it, by_id) <= s.batch_rows):
             batch.append(it)
             rows += _rows(it, by_id)
+            it = next(todo, None)
         out.gen_batches.append(batch)
+    out.relet = min(len(first), sum(len(b) for b in out.gen_batches))
     for batch in out.gen_batches:
         for kind, jid, g in batch:
             if kind == "gen" and g >= by_id[jid].dispatched:

@@ -11,13 +11,15 @@
 | MARLAAS_GEN_BATCH_ROWS | most completions one generate task samples | 256 |
 | MARLAAS_LEASE_S | seconds before unfinished work is re-dispatched | 120 |
 | MARLAAS_MAX_LORA_RANK | largest LoRA rank a job may ask for (vLLM's CPU LoRA cost follows it) | 16 |
+| MARLAAS_VLLM_ARGS | extra vLLM engine arguments, a JSON object (GPU hosts; docs/deployment.md) | {} |
+| MARLAAS_TOOL_URL | the calculator tool service of tool tasks (`marlaas tool-server`) | http://127.0.0.1:9110 |
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -46,8 +48,14 @@ class Settings(BaseSettings):
     """Largest LoRA rank a job may use; the vLLM engine is sized for it (its CPU cost follows it)."""
     lease_s: float = Field(120.0, gt=0)
     """Seconds after which dispatched work that has not finished is dispatched again."""
+    tool_url: str = "http://127.0.0.1:9110"
+    """The calculator tool service (`marlaas tool-server`, Procfile line `tool`) tool tasks call."""
     train_lease_s: float = Field(300.0, gt=0)
     """Seconds after which a train task that has not published is considered lost."""
+    vllm_args: dict[str, Any] = Field(default_factory=dict)
+    """Extra vLLM engine arguments (MARLAAS_VLLM_ARGS, a JSON object) for GPU hosts: max_loras,
+    max_adapters (= vLLM's max_cpu_loras), max_num_seqs, max_model_len, kv_cache_memory_bytes, or any
+    `vllm.LLM` argument (dtype, gpu_memory_utilization, tensor_parallel_size, ...); see docs/deployment.md."""
 
     @property
     def base_path(self) -> Path:

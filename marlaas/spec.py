@@ -7,11 +7,19 @@ nothing is stored. Everything downstream (scheduler, engines) trusts a validated
 from __future__ import annotations
 
 import re
-from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from marlaas.datasets_io import format_error
 from marlaas.errors import SpecError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -34,23 +42,118 @@ class LoraSpec(BaseModel):
     """LoRA dropout; 0 keeps training exact and allows fused multi-tenant steps."""
 
 
+class DecoupledPPOLoss(BaseModel):
+    """Decoupled PPO (AReaL): clip on pi_theta / pi_prox, importance weight on pi_prox / pi_behav."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["decoupled_ppo"] = "decoupled_ppo"
+    """Selects this loss."""
+    prox: Literal["recompute", "a3po"] = "recompute"
+    """The proximal policy: 'recompute' (the trainer's weights at the step start) or 'a3po'
+    (log pi_prox = log pi_behav + alpha * (log pi_theta - log pi_behav), no extra forward pass)."""
+    alpha: float | None = Field(None, ge=0.0, le=1.0)
+    """A-3PO interpolation weight on pi_theta in [0, 1] (only with prox = 'a3po'; default 0.5)."""
+
+    @model_validator(mode="after")
+    def _alpha_for_a3po(self) -> DecoupledPPOLoss:
+        if self.prox == "a3po" and self.alpha is None:
+            object.__setattr__(self, "alpha", 0.5)
+        elif self.prox != "a3po" and self.alpha is not None:
+            raise ValueError("alpha applies only to prox = 'a3po'")
+        return self
+
+
+class CoupledPPOLoss(BaseModel):
+    """Coupled PPO / GRPO: pi_prox = pi_behav, so the clip on pi_theta / pi_behav is the only correction."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["ppo"] = "ppo"
+    """Selects this loss."""
+
+
+class TruncateIS(BaseModel):
+    """Truncated importance weight w = min(r, cap) (TIS)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["truncate"] = "truncate"
+    """Selects this weighting."""
+    level: Literal["token", "sequence"] = "token"
+    """'token': r per token; 'sequence': the geometric mean of the sequence's token ratios."""
+    cap: float = Field(2.0, ge=1, le=1000)
+    """C >= 1: weights above it are cut to it."""
+
+
+class MaskIS(BaseModel):
+    """Masked importance weight w = r if 1/cap <= r <= cap else 0 (the token or sequence is dropped)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["mask"] = "mask"
+    """Selects this weighting."""
+    level: Literal["token", "sequence"] = "token"
+    """'token': drop single tokens; 'sequence': drop whole sequences by their geometric-mean ratio."""
+    cap: float = Field(2.0, ge=1, le=1000)
+    """C >= 1: the band [1/C, C] a ratio must stay in."""
+
+
+class NoIS(BaseModel):
+    """No importance correction: w = 1."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["none"] = "none"
+    """Selects this weighting."""
+
+
+LossSpec = Annotated[DecoupledPPOLoss | CoupledPPOLoss, Field(discriminator="kind")]
+ImportanceSpec = Annotated[TruncateIS | MaskIS | NoIS, Field(discriminator="kind")]
+
+
 class RLSpec(BaseModel):
-    """The policy-gradient objective (formulas in `marlaas.rl`)."""
+    """The policy-gradient objective (formulas in `marlaas.rl` and `marlaas.rl_variants`).
+
+    `loss` and `importance` are tagged unions keyed by `kind`, e.g. in TOML
+    `rl = {advantage = "drgrpo", aggregation = "constant", loss = {kind = "decoupled_ppo",
+    prox = "a3po", alpha = 0.5}, importance = {kind = "mask", level = "sequence", cap = 2.0}}`.
+    The legacy `tis_cap = C` still parses, as `importance = {kind = "truncate", level = "token", cap = C}`.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     advantage: Literal["grpo", "drgrpo"] = "grpo"
     """'grpo': (r - mean) / (std + eps) per group; 'drgrpo': r - mean, no std (Dr. GRPO)."""
-    aggregation: Literal["token", "sequence"] = "token"
-    """'token': mean over all tokens of the batch; 'sequence': mean over sequences of per-sequence means."""
+    aggregation: Literal["token", "sequence", "constant"] = "token"
+    """'token': mean over all tokens of the batch; 'sequence': mean over sequences of per-sequence
+    means; 'constant': token sum / (max_new_tokens x sequences), Dr. GRPO's normaliser."""
+    loss: LossSpec = Field(default_factory=DecoupledPPOLoss)
+    """The surrogate: {kind = 'decoupled_ppo', prox, alpha} or {kind = 'ppo'}."""
+    importance: ImportanceSpec = Field(default_factory=TruncateIS)
+    """Importance weight on pi_prox / pi_behav: {kind = 'truncate'|'mask', level, cap} or {kind = 'none'}."""
     clip_eps: float = Field(0.2, gt=0, le=10)
     """PPO clip range on pi_theta / pi_prox."""
-    tis_cap: float = Field(2.0, ge=1, le=1000)
-    """Cap C of the truncated importance weight min(pi_prox / pi_behav, C)."""
     kl_coef: float = Field(0.0, ge=0, le=100)
     """Coefficient of the KL penalty to the base model (adapter disabled); 0 = off."""
     drop_zero_advantage: bool = True
     """Skip groups whose rewards are all equal (they carry no signal)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_and_legacy(cls, data):
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if "tis_cap" in data:
+            if "importance" in data:
+                raise ValueError("give either tis_cap (legacy) or importance, not both")
+            data["importance"] = {"kind": "truncate", "level": "token", "cap": data.pop("tis_cap")}
+        # A union member written without its tag means the default kind.
+        for key, kind in (("loss", "decoupled_ppo"), ("importance", "truncate")):
+            if isinstance(data.get(key), dict) and "kind" not in data[key]:
+                data[key] = {"kind": kind, **data[key]}
+        return data
 
 
 class JobSpec(BaseModel):
@@ -63,9 +166,25 @@ class JobSpec(BaseModel):
     task: str | None = None
     """A built-in task family (see `marlaas.families`), or None when `dataset` is given."""
     dataset: list[dict] | str | None = None
-    """Training prompts: a list of {"prompt", "answer"} rows or a local JSONL path. Excludes `task`."""
+    """Training prompts: a list of {"prompt", "answer"} rows, or a local .jsonl / .parquet file or
+    directory written by `datasets`' save_to_disk (see `marlaas.datasets_io`). Excludes `task`."""
     eval_dataset: list[dict] | str | None = None
-    """Held-out prompts for evaluation (rows or JSONL path); default: 10% of `dataset` split off."""
+    """Held-out prompts, in the same forms; default: the "test"/"validation" split of a DatasetDict
+    `dataset`, else 10% of `dataset` split off."""
+    prompt_field: str = Field("prompt", min_length=1, max_length=200)
+    """The column (key) of the user's data that holds the prompt."""
+    answer_field: str = Field("answer", min_length=1, max_length=200)
+    """The column that holds the reference answer (exact / math verifiers)."""
+    tests_field: str = Field("tests", min_length=1, max_length=200)
+    """The column that holds the list of assert statements (code verifier)."""
+    dataset_split: str | None = Field(None, min_length=1, max_length=200)
+    """Split of a DatasetDict directory `dataset` to train on; None = "train"."""
+    eval_dataset_split: str | None = Field(None, min_length=1, max_length=200)
+    """Split of a DatasetDict `eval_dataset` (or, without one, of `dataset`) to evaluate on;
+    None = the first of "test", "validation" it has."""
+    chat_template: bool | None = None
+    """Render each prompt with the base model's chat template (one user message plus the generation
+    prompt) at submit: None = when the base has one, False = never, True = required."""
     verifier: str | None = None
     """'exact', 'math', 'code' or 'package.module:function'; default: the task's own verifier."""
     steps: int = Field(40, ge=1, le=100_000)
@@ -91,7 +210,14 @@ class JobSpec(BaseModel):
     weight: float = Field(1.0, gt=0, le=100)
     """Share of the trainer relative to other jobs (weighted round-robin)."""
     eval_size: int = Field(64, ge=1, le=100_000)
-    """Held-out prompts evaluated (greedy) at version 0 and at the end."""
+    """Held-out prompts evaluated at version 0, every `eval_every` versions and at the end."""
+    eval_every: int = Field(0, ge=0, le=100_000)
+    """K: also evaluate every K-th published version (K, 2K, ...); 0 = only at version 0 and the end."""
+    eval_k: int = Field(8, ge=0, le=256)
+    """Completions sampled per held-out prompt for the unbiased pass@k (k = 1, 2, 4, ..., eval_k);
+    0 = greedy pass@1 only."""
+    eval_temperature: float | None = Field(None, gt=0, le=5.0)
+    """Sampling temperature of the pass@k completions; None = the job's `temperature`."""
     base_model: str | None = None
     """Optional: the base the user expects; refused when the deployment serves another."""
 
@@ -104,18 +230,29 @@ class JobSpec(BaseModel):
 
     @field_validator("dataset", "eval_dataset")
     @classmethod
-    def _dataset_rows(cls, v):
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("dataset is empty")
-            for i, row in enumerate(v):
-                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
-                    raise ValueError(f"row {i} needs a non-empty string 'prompt'")
-                if "answer" not in row and "tests" not in row:
-                    raise ValueError(f"row {i} needs an 'answer' (or 'tests' for the code verifier)")
-        elif isinstance(v, str) and not Path(v).is_file():
-            raise ValueError(f"dataset file not found: {v}")
+    def _dataset_source(cls, v, info: ValidationInfo):
+        if isinstance(v, list) and not v:
+            raise ValueError(f"{info.field_name} is empty")
+        if isinstance(v, str) and (err := format_error(v, info.field_name)):
+            raise ValueError(err)
         return v
+
+    @model_validator(mode="after")
+    def _dataset_rows(self) -> JobSpec:
+        # List rows are checked here, where the field names are known; files are read at submit.
+        for what, rows in (("dataset", self.dataset), ("eval_dataset", self.eval_dataset)):
+            if not isinstance(rows, list):
+                continue
+            for i, row in enumerate(rows):
+                if not isinstance(row, dict) or not isinstance(row.get(self.prompt_field), str) \
+                        or not row[self.prompt_field]:
+                    raise ValueError(f"{what} row {i} needs a non-empty string {self.prompt_field!r}")
+                if self.answer_field not in row and self.tests_field not in row:
+                    raise ValueError(f"{what} row {i} needs an {self.answer_field!r} "
+                                     f"(or {self.tests_field!r} for the code verifier)")
+        if self.prompt_field in (self.answer_field, self.tests_field) or self.answer_field == self.tests_field:
+            raise ValueError("prompt_field, answer_field and tests_field must be different columns")
+        return self
 
     @model_validator(mode="after")
     def _task_or_dataset(self) -> JobSpec:
@@ -128,6 +265,9 @@ class JobSpec(BaseModel):
             raise ValueError(f"unknown task {self.task!r}; built-in: {', '.join(sorted(families.FAMILIES))}")
         if self.verifier is not None:
             check_verifier_name(self.verifier)
+        if self.eval_every > self.steps:
+            raise ValueError(f"eval_every ({self.eval_every}) is more than steps ({self.steps}); "
+                             "0 evaluates only at version 0 and the end")
         return self
 
     def verifier_name(self) -> str:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import time
 
-from marlaas import scheduler
+from marlaas import agentic, episodes, evaluation, scheduler
 from marlaas.engines.types import AdapterRef, GenRequest
+from marlaas.settings import get_settings
 from marlaas.store import Store
 
 log = logging.getLogger("marlaas.stations")
@@ -35,6 +36,12 @@ def adapter_for(jid: str, version: int) -> AdapterRef | None:
     return AdapterRef(jid, version) if version > 0 else None
 
 
+def eval_seed(seed: int, version: int, row: int) -> int:
+    """Sampling seed of the pass@k completions of held-out row `row` at version `version`: fixed per
+    (job seed, version, row), so a re-generated evaluation draws the same samples."""
+    return (seed * 1_000_003 + 2**30 + version * 100_003 + row) % 2**31
+
+
 def train_row_index(g: int, n_rows: int) -> int:
     """Rows are shuffled once at submit (by the job's seed); group g uses row g mod n."""
     return g % n_rows
@@ -47,13 +54,21 @@ def run_generate(store: Store, engine, items: list[list]) -> dict[tuple[str, str
     """
     reqs: list[GenRequest] = []
     meta: dict[str, tuple] = {}
+    conts: list[agentic.Continuation] = []  # tool episodes' next turns (marlaas.agentic)
+    tool_keys: set[str] = set()  # first turns of tool episodes
     for kind, jid, idx in items:
         status, version = store.job_fields(jid, "status", "version")
         if status not in ("running", "evaluating"):
             continue  # cancelled, failed or gone: drop the work
         spec = store.spec(jid)
         t = int(version)
-        if kind == "gen":
+        stop = episodes.STOP if episodes.tool_of(spec) else ()  # a model turn ends at a tool call
+        if kind == "cont":
+            cont = agentic.continuation(store, engine.tokenizer, jid, idx, spec, t)
+            if cont is not None:
+                conts.append(cont)
+                reqs += cont.requests
+        elif kind == "gen":
             if idx < t * spec.prompts_per_step:
                 store.drop_lease(f"gen|{jid}|{idx}")
                 continue  # already trained on: a late duplicate
@@ -63,35 +78,56 @@ def run_generate(store: Store, engine, items: list[list]) -> dict[tuple[str, str
             key = f"gen|{jid}|{idx}"
             reqs.append(GenRequest(key=key, prompt=row["prompt"], adapter=adapter_for(jid, t),
                                    n=spec.group_size, temperature=spec.temperature,
-                                   max_new_tokens=spec.max_new_tokens,
+                                   max_new_tokens=spec.max_new_tokens, stop=stop,
                                    seed=(spec.seed * 1_000_003 + idx) % 2**31))
             meta[key] = (kind, jid, idx, t, ri, row)
-        else:  # eval of version idx, greedy, one completion per held-out row
+            if stop:
+                tool_keys.add(key)
+        else:  # eval of version idx: per held-out row one greedy completion + eval_k sampled ones
             rows = store.rows(jid, "eval")
+            temp = spec.eval_temperature or spec.temperature
             for ri, row in enumerate(rows):
                 key = f"eval|{jid}|{idx}|{ri}"
                 reqs.append(GenRequest(key=key, prompt=row["prompt"], adapter=adapter_for(jid, idx), n=1,
-                                       max_new_tokens=spec.max_new_tokens, greedy=True))
+                                       max_new_tokens=spec.max_new_tokens, greedy=True, stop=stop))
                 meta[key] = (kind, jid, idx, idx, ri, row)
+                if spec.eval_k > 0:
+                    key = f"evalk|{jid}|{idx}|{ri}"
+                    reqs.append(GenRequest(key=key, prompt=row["prompt"], adapter=adapter_for(jid, idx),
+                                           n=spec.eval_k, temperature=temp, max_new_tokens=spec.max_new_tokens,
+                                           seed=eval_seed(spec.seed, idx, ri), stop=stop))
+                    meta[key] = ("evalk", jid, idx, idx, ri, row)
     if not reqs:
         return {}
     results = engine.generate(reqs)
+    # Evaluation episodes run their tool calls here (blocking; see marlaas.agentic).
+    results = agentic.finish_eval_episodes(engine, reqs, results, get_settings().tool_url)
     served = {r.adapter: engine.serves(r.adapter) for r in reqs if r.adapter is not None}
     missing = [ref.name for ref, ok in served.items() if not ok]
     if missing:
         raise RuntimeError(f"engine does not serve adapter versions it just used: {missing}")
     to_verify: dict[tuple[str, str], list[int]] = {}
-    evals: dict[tuple[str, int], list] = {}
+    evals: dict[tuple[str, int], dict[int, dict]] = {}
+    for jid, g in agentic.store_continuations(store, conts, results):
+        to_verify.setdefault((jid, "train"), []).append(g)
     for res in results:
+        if res.key not in meta:
+            continue  # a continuation, stored above
         kind, jid, idx, v, ri, row = meta[res.key]
         comps = [{"ids": c.token_ids, "logprobs": c.logprobs, "text": c.text} for c in res.completions]
+        if kind == "gen" and res.key in tool_keys:
+            comps = agentic.first_turns(res.completions)
         if kind == "gen":
             store.put_rollout(jid, idx, v, {"row": row, "row_idx": ri, "completions": comps})
             to_verify.setdefault((jid, "train"), []).append(idx)
         else:
-            evals.setdefault((jid, idx), []).append({"row": row, "text": comps[0]["text"]})
-    for (jid, v), rows in evals.items():
-        store.put_eval_rollout(jid, v, {"rows": rows})
+            rec = evals.setdefault((jid, idx), {}).setdefault(ri, {"row": row})
+            if kind == "evalk":
+                rec["samples"] = [c["text"] for c in comps]
+            else:
+                rec["text"] = comps[0]["text"]
+    for (jid, v), by_row in evals.items():
+        store.put_eval_rollout(jid, v, {"rows": [by_row[ri] for ri in sorted(by_row)]})
         to_verify.setdefault((jid, "eval"), []).append(v)
     return to_verify
 
@@ -108,6 +144,8 @@ def run_verify(store: Store, jid: str, kind: str, idxs: list[int]) -> int:
     accepted = 0
     if kind == "train":
         rolls = [(g, r) for g in idxs if (r := store.rollout(jid, g)) is not None]
+        if episodes.tool_of(spec):  # groups with pending tool calls go back to generate (agentic)
+            rolls = agentic.advance_groups(store, jid, rolls, get_settings().tool_url)
         scores = score_groups(verifier, [(r["row"], [c["text"] for c in r["completions"]]) for _, r in rolls])
         for (g, roll), res in zip(rolls, scores):
             if res.errors:
@@ -119,17 +157,18 @@ def run_verify(store: Store, jid: str, kind: str, idxs: list[int]) -> int:
         ev = store.eval_rollout(jid, v)
         if ev is None:
             continue
-        scores = score_groups(verifier, [(r["row"], [r["text"]]) for r in ev["rows"]])
-        n = len(ev["rows"])
-        acc = sum(s.rewards[0] for s in scores) / max(n, 1)
+        # One scoring call per row: the greedy completion first, then its sampled ones (if any).
+        scores = score_groups(verifier, [(r["row"], [r["text"], *r.get("samples", [])]) for r in ev["rows"]])
+        sampled = [s.rewards[1:] for s in scores] if all(r.get("samples") for r in ev["rows"]) else None
+        result = evaluation.summarize([s.rewards[0] for s in scores], sampled)
         # The greedy outputs are kept with the score: an exported adapter must reproduce them.
-        store.put_eval_result(jid, v, {
-            "acc": acc, "n": n, "at": time.time(),
-            "outputs": [{"prompt": r["row"]["prompt"], "text": r["text"], "reward": s.rewards[0]}
-                        for r, s in zip(ev["rows"], scores)],
-        })
+        result.update(at=time.time(), outputs=[
+            {"prompt": r["row"]["prompt"], "text": r["text"], "reward": s.rewards[0],
+             "samples_correct": sum(1 for x in s.rewards[1:] if x >= evaluation.CORRECT_AT)}
+            for r, s in zip(ev["rows"], scores)])
+        store.put_eval_result(jid, v, result)
         accepted += 1
-        if all(store.has_evals(jid, [0, spec.steps])):
+        if all(store.has_evals(jid, scheduler.eval_versions(spec.steps, spec.eval_every))):
             store.set_status(jid, "done")
     return accepted
 
@@ -151,7 +190,8 @@ def train_batch(spec, t: int, rolls: list[dict]) -> tuple[list, list[float], lis
             continue
         for c, a in zip(r["completions"], adv.tolist()):
             samples.append(TrainSample(prompt=r["row"]["prompt"], completion_ids=c["ids"],
-                                       behav_logprobs=c["logprobs"], advantage=float(a)))
+                                       behav_logprobs=c["logprobs"], advantage=float(a),
+                                       loss_mask=c.get("mask")))  # tool episodes: 0 on tool tokens
     return samples, rewards_all, staleness
 
 
@@ -190,7 +230,9 @@ def run_train(store: Store, engine, jid: str, t: int, token: str) -> dict:
         train_s=time.time() - t0,
         at=time.time(),
     )
-    ok = store.publish(jid, t, out.adapter, out.optimizer, metrics, token, groups, spec.steps)
+    if episodes.tool_of(spec):  # tool-result tokens in this step's episodes: context, masked out of the loss
+        metrics["tool_tokens"] = sum(len(c["mask"]) - sum(c["mask"]) for r in rolls for c in r["completions"])
+    ok = store.publish(jid, t, out.adapter, out.optimizer, metrics, token, groups, spec.steps, spec.eval_every)
     if ok and t + 1 >= spec.steps:
         store.set_status(jid, "evaluating")
     if not ok:

@@ -11,22 +11,33 @@ Key schema (prefix `m:`):
   m:tenant:{t}:jobs             set of a tenant's job ids
   m:job:{j}                     hash: spec, tenant, status, version, dispatched, pass, created, ...
   m:job:{j}:rows:{split}        list of JSON rows (split = train | eval)
-  m:job:{j}:roll:{g}            hash of group g: attempt, version, data | r_attempt, rewards
+  m:job:{j}:roll:{g}            hash of group g: attempt, version, data | r_attempt, rewards |
+                                cont = 1 while a tool episode awaits its next model turn
   m:job:{j}:verified            set of group indices verified and not yet trained
   m:job:{j}:eval:{v}            hash of the held-out evaluation of version v (like a rollout)
-  m:job:{j}:evals               hash v -> JSON {acc, n}
+  m:job:{j}:evals               hash v -> JSON {acc, n, k, pass_at_k, ...} (marlaas.evaluation.summarize)
   m:job:{j}:adapter:{v}         hash: config (JSON), weights (safetensors bytes)
   m:job:{j}:optim               hash: version, data (optimizer state bytes)
   m:job:{j}:metrics             list of JSON, one per published step
   m:leases                      zset work item -> deadline (re-dispatched when expired)
+  m:job:{j}:leases              set: the job's lease index, every item it ever leased (a superset of
+                                its live leases; set_status drops them without walking m:leases)
   m:gen:inflight                zset generate batch id -> deadline
   m:trainer:lease               JSON {token, job, version, until}: the single trainer lane
   m:events                      list of JSON task events {station, start, end, jobs, worker}
-  m:worker:{name}               heartbeat with TTL
+  m:worker:{name}               heartbeat with TTL (dead when the key has expired)
+  m:workers                     set of worker names that beat (the registry; dead names pruned on read)
   m:tenants                     hash tenant -> JSON {token_sha256, quotas}  (empty = single-user mode)
   m:tokens                      hash sha256(token) -> tenant
   m:sched:lock / m:sched:kick   scheduler mutex / pending-kick flag
   m:sched:vt                    virtual time of the weighted round-robin
+  m:sched:jobs                  hash active job -> its status, version, dispatched, pass, created
+                                (tab-separated): the scheduling table, re-derived by every write of
+                                those fields (store_tick.py)
+  m:sched:changes               zset job -> sequence number of its table row's last change
+  m:sched:epoch                 the table's epoch (new when the table was rebuilt or the DB flushed)
+  m:base:manifest               JSON manifest of the pushed base model {hash, name, files, url}
+  m:base:{hash}:file:{path}     list of byte chunks of one base file (absent when pushed by URL)
 
 Invariants kept here: publishing version t+1 is one Lua compare-and-set on t (exactly-once steps);
 rewards are accepted only for the rollout attempt they were computed on.
@@ -42,80 +53,54 @@ from functools import lru_cache
 
 import redis
 
+from marlaas import store_tick
 from marlaas.engines.types import AdapterBlob, AdapterRef
 from marlaas.errors import NotFound, StoreUnavailable
 from marlaas.settings import get_settings
 from marlaas.spec import JobSpec
+from marlaas.store_keys import (  # noqa: F401  (re-exported: the store layer's key names)
+    ACTIVE,
+    ALL,
+    BASE_MANIFEST,
+    DEPLOYMENT,
+    EVAL_KINDS,
+    EVENTS,
+    GEN_INFLIGHT,
+    GROUP_KINDS,
+    KICK,
+    LEASES,
+    LOCK,
+    SCHED_CHANGES,
+    SCHED_EPOCH,
+    SCHED_JOBS,
+    TENANTS,
+    TOKENS,
+    TRAINER,
+    VT,
+    WORKERS,
+    P,
+    adapter_key,
+    base_file_key,
+    eval_key,
+    evals_key,
+    item_name,
+    job_key,
+    lease_index_key,
+    metrics_key,
+    optim_key,
+    parse_item,
+    roll_key,
+    rows_key,
+    tenant_key,
+    verified_key,
+    worker_key,
+)
+from marlaas.store_tick import TickOps
 
-P = "m:"
-ACTIVE = P + "jobs:active"
-ALL = P + "jobs:all"
-LEASES = P + "leases"
-GEN_INFLIGHT = P + "gen:inflight"
-TRAINER = P + "trainer:lease"
-EVENTS = P + "events"
-LOCK = P + "sched:lock"
-KICK = P + "sched:kick"
-VT = P + "sched:vt"
-DEPLOYMENT = P + "deployment"
-TENANTS = P + "tenants"
-TOKENS = P + "tokens"
 EVENTS_CAP = 200_000
 # Adapter versions kept in the store besides the newest (older ones are deleted on publish);
 # the job's final version and version 0 (the base) are always available.
 KEEP_VERSIONS_EXTRA = 2
-
-
-def job_key(j: str) -> str:
-    return f"{P}job:{j}"
-
-
-def rows_key(j: str, split: str) -> str:
-    return f"{P}job:{j}:rows:{split}"
-
-
-def roll_key(j: str, g: int) -> str:
-    return f"{P}job:{j}:roll:{g}"
-
-
-def eval_key(j: str, v: int) -> str:
-    return f"{P}job:{j}:eval:{v}"
-
-
-def adapter_key(j: str, v: int) -> str:
-    return f"{P}job:{j}:adapter:{v}"
-
-
-def verified_key(j: str) -> str:
-    return f"{P}job:{j}:verified"
-
-
-def evals_key(j: str) -> str:
-    return f"{P}job:{j}:evals"
-
-
-def metrics_key(j: str) -> str:
-    return f"{P}job:{j}:metrics"
-
-
-def optim_key(j: str) -> str:
-    return f"{P}job:{j}:optim"
-
-
-def tenant_key(t: str) -> str:
-    return f"{P}tenant:{t}:jobs"
-
-
-def item_name(kind: str, job: str, idx: int) -> str:
-    """A work item: ('gen' | 'ver' | 'eval' | 'evalver', job, group index or version)."""
-    return f"{kind}|{job}|{idx}"
-
-
-def parse_item(name: str | bytes) -> tuple[str, str, int]:
-    if isinstance(name, bytes):
-        name = name.decode()
-    kind, job, idx = name.split("|")
-    return kind, job, int(idx)
 
 
 def resolve_url(url: str | None = None) -> str:
@@ -138,9 +123,10 @@ def _client(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
 
 
-_PUBLISH = """
--- KEYS: job, adapter(v+1), optim, trainer lease, verified, metrics, old adapter (or '')
--- ARGV: t, config, weights, optim, metrics json, lease token, now, n_groups, g1..gn
+_PUBLISH = store_tick.SYNC_FN + """
+-- KEYS: job, adapter(v+1), optim, trainer lease, verified, metrics, old adapter (or ''),
+--       scheduling table, active set, its change log
+-- ARGV: t, config, weights, optim, metrics json, lease token, now, n_groups, g1..gn, job id
 local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
 if cur ~= tonumber(ARGV[1]) then return 0 end
 local nv = cur + 1
@@ -157,6 +143,7 @@ end
 if KEYS[7] ~= '' then redis.call('DEL', KEYS[7]) end
 local lease = redis.call('GET', KEYS[4])
 if lease and string.find(lease, ARGV[6], 1, true) then redis.call('DEL', KEYS[4]) end
+sync_row(KEYS[8], KEYS[9], KEYS[10], KEYS[1], ARGV[9 + n])
 return 1
 """
 
@@ -167,6 +154,27 @@ redis.call('HSET', KEYS[1], 'r_attempt', ARGV[1], 'rewards', ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[3])
 redis.call('ZREM', KEYS[3], ARGV[4])
 return 1
+"""
+
+_REPLACE_ATTEMPT = """
+-- Multi-turn tool episodes: replace a group's data under a new attempt iff it is still at the
+-- attempt the caller read (and, if ARGV[4] is set, its cont flag equals it); move its lease.
+-- KEYS: roll hash, leases ; ARGV: read attempt, new attempt, data, required cont ('' = any),
+--       new cont ('1' or ''), lease to drop, lease to add, its deadline
+if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] then return 0 end
+if ARGV[4] ~= '' and redis.call('HGET', KEYS[1], 'cont') ~= ARGV[4] then return 0 end
+redis.call('HSET', KEYS[1], 'attempt', ARGV[2], 'data', ARGV[3])
+redis.call('HDEL', KEYS[1], 'r_attempt', 'rewards')
+if ARGV[5] == '1' then redis.call('HSET', KEYS[1], 'cont', '1') else redis.call('HDEL', KEYS[1], 'cont') end
+redis.call('ZREM', KEYS[2], ARGV[6])
+redis.call('ZADD', KEYS[2], ARGV[8], ARGV[7])
+return 1
+"""
+
+_DROP_CONT = """
+-- KEYS: roll hash, leases ; ARGV: cont lease. Drop it iff the group awaits no continuation.
+if redis.call('HGET', KEYS[1], 'cont') == '1' then return 0 end
+return redis.call('ZREM', KEYS[2], ARGV[1])
 """
 
 _CLAIM = """
@@ -200,7 +208,7 @@ class JobRecord:
     extra: dict = field(default_factory=dict)
 
 
-class Store:
+class Store(TickOps):
     """Typed access to the Redis store. Every method is one or a few round trips."""
 
     def __init__(self, url: str | None = None):
@@ -210,6 +218,9 @@ class Store:
         self._accept = self.r.register_script(_ACCEPT_REWARDS)
         self._release = self.r.register_script(_RELEASE)
         self._claim = self.r.register_script(_CLAIM)
+        self._replace = self.r.register_script(_REPLACE_ATTEMPT)
+        self._drop_cont = self.r.register_script(_DROP_CONT)
+        self._init_tick_scripts()
 
     # ---------------------------------------------------------------- connectivity
     def ping(self) -> bool:
@@ -223,8 +234,10 @@ class Store:
             raise StoreUnavailable(f"Redis at {self.url} does not answer: is the stack up (`marlaas up`)?")
 
     # ---------------------------------------------------------------- jobs
-    def create_job(self, spec: JobSpec, train_rows: list[dict], eval_rows: list[dict]) -> str:
-        """Store a validated job with its rows atomically; returns the job id."""
+    def create_job(self, spec: JobSpec, train_rows: list[dict], eval_rows: list[dict],
+                   info: dict[str, str] | None = None) -> str:
+        """Store a validated job with its rows atomically; returns the job id. `info`: extra
+        string fields of the job record (e.g. how its prompts were rendered), shown in `extra`."""
         jid = f"j{self.r.incr(P + 'seq')}"
         now = time.time()
         vt = float(self.r.get(VT) or 0.0)
@@ -242,6 +255,7 @@ class Store:
                 "updated": now,
                 "regenerated": 0,
                 "verify_errors": 0,
+                **(info or {}),
             },
         )
         p.rpush(rows_key(jid, "train"), *[json.dumps(r) for r in train_rows])
@@ -249,6 +263,7 @@ class Store:
         p.sadd(ACTIVE, jid)
         p.zadd(ALL, {jid: now})
         p.sadd(tenant_key(spec.tenant), jid)
+        self.sync_rows([jid], pipe=p)  # the scheduling table (store_tick.py)
         p.execute()
         return jid
 
@@ -295,16 +310,9 @@ class Store:
         p.hset(job_key(jid), mapping=m)
         if status in ("done", "cancelled", "failed"):
             p.srem(ACTIVE, jid)
-            p.zrem(LEASES, *[item_name(k, jid, i) for k, i in self._leased_items(jid)] or ["-"])
+            self.drop_job_leases(jid, pipe=p)
+        self.sync_rows([jid], pipe=p)  # the scheduling table (store_tick.py)
         p.execute()
-
-    def _leased_items(self, jid: str) -> list[tuple[str, int]]:
-        out = []
-        for name in self.r.zrange(LEASES, 0, -1):
-            k, j, i = parse_item(name)
-            if j == jid:
-                out.append((k, i))
-        return out
 
     def incr_field(self, jid: str, name: str, by: int = 1) -> int:
         return int(self.r.hincrby(job_key(jid), name, by))
@@ -323,10 +331,20 @@ class Store:
         return int(self.r.llen(rows_key(jid, split)))
 
     # ---------------------------------------------------------------- leases and dispatch
-    def lease(self, items: list[str], seconds: float, now: float | None = None) -> None:
+    def lease(self, items: list[str], seconds: float, now: float | None = None, pipe=None) -> None:
+        """Lease work items until now + seconds (recorded in each job's lease index too); with
+        `pipe`, only queue the writes on that pipeline."""
         if items:
             until = (now or time.time()) + seconds
-            self.r.zadd(LEASES, {i: until for i in items})
+            p = pipe if pipe is not None else self.r.pipeline(transaction=False)
+            p.zadd(LEASES, {i: until for i in items})
+            by_job: dict[str, list[str]] = {}
+            for i in items:
+                by_job.setdefault(i.split("|", 2)[1], []).append(i)
+            for j, names in by_job.items():
+                p.sadd(lease_index_key(j), *names)
+            if pipe is None:
+                p.execute()
 
     def expired_leases(self, now: float) -> list[str]:
         return [x.decode() for x in self.r.zrangebyscore(LEASES, "-inf", now)]
@@ -351,7 +369,10 @@ class Store:
         self.r.zrem(GEN_INFLIGHT, batch_id)
 
     def advance_dispatched(self, jid: str, new_total: int) -> None:
-        self.r.hset(job_key(jid), "dispatched", new_total)
+        p = self.r.pipeline(transaction=True)
+        p.hset(job_key(jid), "dispatched", new_total)
+        self.sync_rows([jid], pipe=p)
+        p.execute()
 
     # ---------------------------------------------------------------- rollouts
     def _put_attempt(self, key: str, version: int, data: dict, done: str, next_lease: str, *extra) -> str:
@@ -365,6 +386,7 @@ class Store:
             getattr(p, method)(*args)
         p.zrem(LEASES, done)
         p.zadd(LEASES, {next_lease: time.time() + get_settings().lease_s})
+        p.sadd(lease_index_key(parse_item(next_lease)[1]), next_lease)
         p.execute()
         return attempt
 
@@ -383,7 +405,36 @@ class Store:
         out["version"] = int(d["version"])
         if b"rewards" in h and d.get("r_attempt") == d["attempt"]:
             out["rewards"] = json.loads(d["rewards"])
+        out["awaiting_cont"] = d.get("cont") == b"1"
         return out
+
+    # Tool episodes (marlaas.agentic): verify hands a group back to generate for its next model turn
+    # ("cont" item, dispatched by the scheduler as an expired lease: deadline 0), generate stores the
+    # continued group and hands it to verify again. Both are compare-and-set on the attempt read.
+    def request_continuation(self, jid: str, g: int, attempt: str, data: dict) -> bool:
+        """Verify side: store the group with its tool results pending; lease ver -> cont (due now)."""
+        return bool(self._replace(
+            keys=[roll_key(jid, g), LEASES],
+            args=[attempt, uuid.uuid4().hex, json.dumps(data), "", "1", item_name("ver", jid, g),
+                  item_name("cont", jid, g), 0],
+        ))
+
+    def put_continuation(self, jid: str, g: int, attempt: str, data: dict) -> bool:
+        """Generate side: store the continued group iff it still awaits this continuation; lease
+        cont -> ver. False: a duplicate or stale continuation (nothing written)."""
+        return bool(self._replace(
+            keys=[roll_key(jid, g), LEASES],
+            args=[attempt, uuid.uuid4().hex, json.dumps(data), "1", "", item_name("cont", jid, g),
+                  item_name("ver", jid, g), time.time() + get_settings().lease_s],
+        ))
+
+    def drop_cont_lease(self, jid: str, g: int) -> bool:
+        """Drop a continuation's lease iff the group awaits none (a late duplicate or a regenerated
+        group); atomic, so a continuation requested meanwhile is never lost."""
+        return bool(self._drop_cont(keys=[roll_key(jid, g), LEASES], args=[item_name("cont", jid, g)]))
+
+    def has_adapter(self, ref: AdapterRef) -> bool:
+        return ref.version == 0 or bool(self.r.exists(adapter_key(ref.job_id, ref.version)))
 
     def accept_rewards(self, jid: str, g: int, attempt: str, rewards: dict) -> bool:
         ok = self._accept(
@@ -402,7 +453,9 @@ class Store:
         p = self.r.pipeline(transaction=True)
         p.delete(roll_key(jid, g))
         p.srem(verified_key(jid), g)
+        p.zrem(LEASES, item_name("cont", jid, g))
         p.zadd(LEASES, {item_name("gen", jid, g): 0})
+        p.sadd(lease_index_key(jid), item_name("gen", jid, g))
         p.hincrby(job_key(jid), "regenerated", 1)
         p.execute()
 
@@ -454,15 +507,21 @@ class Store:
         lease_token: str,
         trained_groups: list[int],
         steps: int,
+        eval_every: int = 0,
     ) -> bool:
-        """Atomically publish version t+1 iff the job is still at version t (exactly-once)."""
+        """Atomically publish version t+1 iff the job is still at version t (exactly-once).
+
+        The adapter KEEP_VERSIONS_EXTRA + 1 versions back is deleted, unless it is one the job
+        evaluates (a multiple of `eval_every`, or the final one): its held-out evaluation may
+        still be queued, and it stays downloadable next to its scores."""
         old = t + 1 - KEEP_VERSIONS_EXTRA - 1
-        old_key = adapter_key(jid, old) if old >= 1 and old != steps else ""
+        evaluated = old == steps or (eval_every > 0 and old % eval_every == 0)
+        old_key = adapter_key(jid, old) if old >= 1 and not evaluated else ""
         ok = self._publish(
             keys=[job_key(jid), adapter_key(jid, t + 1), optim_key(jid), TRAINER, verified_key(jid),
-                  metrics_key(jid), old_key],
+                  metrics_key(jid), old_key, SCHED_JOBS, ACTIVE, SCHED_CHANGES],
             args=[t, json.dumps(adapter.config), adapter.weights, optimizer, json.dumps(metrics),
-                  lease_token, time.time(), len(trained_groups), *trained_groups],
+                  lease_token, time.time(), len(trained_groups), *trained_groups, jid],
         )
         return bool(ok)
 
@@ -486,11 +545,6 @@ class Store:
     def claim_trainer(self, token: str, worker: str) -> bool:
         """The train task names the worker holding the lane, so a dead worker's lease can be broken."""
         return bool(self._claim(keys=[TRAINER], args=[token, worker]))
-
-    def advance_pass(self, jid: str, weight: float) -> None:
-        """Charge the job one trainer step; the virtual time is the pass it was picked at."""
-        new = float(self.r.hincrbyfloat(job_key(jid), "pass", 1.0 / weight))
-        self.r.set(VT, new - 1.0 / weight)
 
     # ---------------------------------------------------------------- scheduler mutex and kicks
     def acquire_lock(self, seconds: float = 10.0) -> str | None:
@@ -521,16 +575,23 @@ class Store:
         evs = [json.loads(x) for x in self.r.lrange(EVENTS, 0, -1)]
         return [e for e in evs if e["end"] >= since]
 
-    def heartbeat(self, name: str, station: str, ttl: float = 30.0, **info) -> None:
-        self.r.set(f"{P}worker:{name}", json.dumps({"station": station, "at": time.time(), **info}),
-                   px=int(ttl * 1000))
-
-    def workers(self) -> dict[str, dict]:
-        keys = list(self.r.scan_iter(match=f"{P}worker:*", count=1000))
-        if not keys:
-            return {}
-        vals = self.r.mget(keys)
-        return {k.decode()[len(P) + 7:]: json.loads(v) for k, v in zip(keys, vals) if v}
+    # ---------------------------------------------------------------- the tick (heartbeats, workers, the
+    # scheduling table, the tick's scripts: store_tick.TickOps)
+    def job_specs(self, jobs: list[tuple[str, str]]) -> dict[str, JobSpec]:
+        """Specs of (job id, created) pairs; each is read from Redis once per process (a spec never
+        changes; `created` tells a job apart from an earlier one of the same id in a flushed DB)."""
+        key = [(self.url, j, c) for j, c in jobs]
+        missing = [k for k in key if k not in _SPECS]
+        if missing:
+            p = self.r.pipeline(transaction=False)
+            for _, j, _ in missing:
+                p.hget(job_key(j), "spec")
+            for k, raw in zip(missing, p.execute()):
+                if raw is not None:
+                    if len(_SPECS) >= 100_000:
+                        _SPECS.clear()
+                    _SPECS[k] = spec_from_json(raw.decode())
+        return {k[1]: _SPECS[k] for k in key if k in _SPECS}
 
     # ---------------------------------------------------------------- tenants and tokens
     def add_tenant(self, name: str, token_sha256: str, quotas: dict) -> bool:
@@ -606,6 +667,35 @@ class Store:
         n = 1 + len(steps)
         return {q: int(sum(vals[i * n:(i + 1) * n])) for i, q in enumerate(queues)}
 
+    # ---------------------------------------------------------------- the base model (marlaas/basestore.py)
+    def base_manifest(self) -> dict | None:
+        raw = self.r.get(BASE_MANIFEST)
+        return json.loads(raw) if raw else None
+
+    def set_base_manifest(self, manifest: dict) -> None:
+        """Set last, after every file is stored: a worker that sees the manifest finds the files."""
+        self.r.set(BASE_MANIFEST, json.dumps(manifest))
+
+    def put_base_file(self, content_hash: str, path: str, chunks) -> None:
+        key = base_file_key(content_hash, path)
+        self.r.delete(key)
+        for chunk in chunks:
+            self.r.rpush(key, chunk)
+
+    def base_file_chunks(self, content_hash: str, path: str):
+        """The file's chunks one round trip each (a large file never sits in memory whole)."""
+        key = base_file_key(content_hash, path)
+        for i in range(int(self.r.llen(key))):
+            yield self.r.lindex(key, i)
+
+    def delete_base_files(self, content_hash: str) -> int:
+        keys = list(self.r.scan_iter(match=f"{P}base:{content_hash}:file:*", count=1000))
+        return int(self.r.delete(*keys)) if keys else 0
+
+
+# (url, job id, created) -> spec: the tick reads each job's spec once per process (Store.job_specs).
+_SPECS: dict[tuple[str, str, str], JobSpec] = {}
+
 
 @lru_cache(maxsize=4096)
 def spec_from_json(raw: str) -> JobSpec:
@@ -620,5 +710,7 @@ def _revalidate(raw: str) -> dict:
 
     d = json.loads(raw)
     d["lora"] = LoraSpec.model_construct(**d["lora"])
-    d["rl"] = RLSpec.model_construct(**d["rl"])
+    # The rl section checks no paths; validating it builds its tagged unions (loss, importance) and
+    # reads specs stored before them (legacy `tis_cap`).
+    d["rl"] = RLSpec.model_validate(d["rl"])
     return d

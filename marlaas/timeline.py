@@ -55,3 +55,12 @@ def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
         else:
             out.append([s, e])
     return [(s, e) for s, e in out]
+
+
+def idle_gaps(events: list[dict], station: str, lo: float, hi: float) -> list[float]:
+    """Lengths of the intervals in [lo, hi] where `station` is idle, between its first start and last
+    end (the wait before its first task and after its last are not gaps)."""
+    merged = [(max(s, lo), min(e, hi)) for s, e in _merge([(e["start"], e["end"]) for e in events
+                                                             if e["station"] == station])]
+    merged = [(s, e) for s, e in merged if e > s]
+    return [round(b[0] - a[1], 4) for a, b in zip(merged, merged[1:]) if b[0] > a[1]]

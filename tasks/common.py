@@ -36,7 +36,8 @@ def describe(name: str, args: list) -> str:
     if station == "generate":
         per_job: dict[str, list[str]] = {}
         for kind, jid, idx in args[1]:
-            per_job.setdefault(jid, []).append(f"{'group' if kind == 'gen' else 'eval v'}{idx}")
+            label = {"gen": "group", "cont": "tool turn of group"}.get(kind, "eval v")
+            per_job.setdefault(jid, []).append(f"{label}{idx}")
         jobs = "; ".join(f"job={j} tenant={_tenant(j)} [{', '.join(v)}]" for j, v in per_job.items())
         return f"station=generate batch={args[0]} {jobs}"
     if station == "verify":
@@ -62,9 +63,20 @@ def station_event(station: str, jobs: list[str], **info):
         store().record_event(station, start, time.time(), jobs, worker_name(), **info)
 
 
-def register_base(path) -> None:
+def register_base(path, name: str | None = None) -> None:
     """Record which base this deployment serves (jobs naming another base are refused at submit)."""
     from marlaas.settings import get_settings
 
-    store().set_deployment(base=str(path), base_name=os.path.basename(str(path).rstrip("/")),
+    store().set_deployment(base=str(path), base_name=name or os.path.basename(str(path).rstrip("/")),
                            max_lora_rank=get_settings().max_lora_rank)
+
+
+def base_dir():
+    """The base directory this worker loads (MARLAAS_BASE, else the pushed base fetched into the
+    host's cache: marlaas.basestore), recorded in the store."""
+    from marlaas.basestore import local_base
+    from marlaas.settings import get_settings
+
+    path, name = local_base(get_settings(), store())
+    register_base(path, name)
+    return path

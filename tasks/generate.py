@@ -5,7 +5,7 @@ from __future__ import annotations
 from marlaas import stations
 from marlaas.settings import get_settings
 from tasks.app import app
-from tasks.common import kick, register_base, send, station_event, store
+from tasks.common import base_dir, kick, send, station_event, store
 
 _engine = None
 
@@ -17,9 +17,9 @@ def engine():
         from marlaas.engines.generation import make_engine
 
         s = get_settings()
-        register_base(s.base_path)
-        extra = {"max_lora_rank": s.max_lora_rank} if s.engine == "vllm" else {}
-        _engine = make_engine(s.engine, s.base_path, store().adapter, threads=s.threads,
+        base = base_dir()
+        extra = {**s.vllm_args, "max_lora_rank": s.max_lora_rank} if s.engine == "vllm" else {}
+        _engine = make_engine(s.engine, base, store().adapter, threads=s.threads,
                               cache_dir=s.home / "cache" / "adapters", **extra)
     return _engine
 
@@ -29,7 +29,7 @@ def generate(batch_id: str, items: list[list]) -> dict:
     jobs = [it[1] for it in items]
     to_verify: dict = {}
     try:
-        with station_event("generate", jobs, items=len(items)):
+        with station_event("generate", jobs, items=len(items), batch=batch_id):
             try:
                 to_verify = stations.run_generate(store(), engine(), items)
             except Exception as err:

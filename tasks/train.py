@@ -5,7 +5,7 @@ from __future__ import annotations
 from marlaas import stations
 from marlaas.settings import get_settings
 from tasks.app import app
-from tasks.common import kick, register_base, station_event, store, worker_name
+from tasks.common import base_dir, kick, station_event, store, worker_name
 
 _engine = None
 
@@ -16,8 +16,7 @@ def engine():
         from marlaas.engines.training import TrainingEngine
 
         s = get_settings()
-        register_base(s.base_path)
-        _engine = TrainingEngine(s.base_path, threads=s.threads)
+        _engine = TrainingEngine(base_dir(), threads=s.threads)
     return _engine
 
 

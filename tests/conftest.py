@@ -79,13 +79,17 @@ def tiny_base(home) -> Path:
 
 @pytest.fixture(scope="session")
 def worker_stack(redis_stack, tiny_base, home):
-    """Real Celery worker processes (control, generate, verify, train) and beat, from the Procfile."""
-    from marlaas.embedded import wait_for_workers
+    """Real Celery worker processes (control, generate, verify, train), beat and the calculator tool
+    service of tool tasks (on a free port, 20 ms per call), from the Procfile."""
+    from marlaas.embedded import free_port, wait_for_workers
     from marlaas.store import Store
 
-    env = {"MARLAAS_BASE": str(tiny_base), "MARLAAS_ENGINE": "hf", "MARLAAS_LEASE_S": "60"}
+    tool_port = free_port()
+    env = {"MARLAAS_BASE": str(tiny_base), "MARLAAS_ENGINE": "hf", "MARLAAS_LEASE_S": "60",
+           "MARLAAS_TOOL_PORT": str(tool_port), "MARLAAS_TOOL_URL": f"http://127.0.0.1:{tool_port}",
+           "MARLAAS_TOOL_LATENCY_MS": "20"}
     redis_stack.env.update(env)
-    names = ("control", "generate", "verify", "train", "beat")
+    names = ("tool", "control", "generate", "verify", "train", "beat")
     redis_stack.start(*names)
     wait_for_workers(Store(redis_stack.url), timeout=240)
     yield redis_stack

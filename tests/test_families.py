@@ -18,7 +18,7 @@ def test_at_least_six_families_with_known_verifiers():
     assert {"reverse", "sort", "max", "min", "add", "code"} <= set(FAMILIES)
     for name, fam in FAMILIES.items():
         assert fam.name == name
-        assert fam.verifier in {"exact", "math", "code"}
+        assert fam.verifier in {"exact", "math", "code", "tool"}
     assert FAMILIES["add"].verifier == "math"
     assert FAMILIES["code"].verifier == "code"
 
@@ -54,7 +54,9 @@ def test_charset_lengths_and_reference_answers(name):
         assert fam.prompt(x) == r["prompt"]
         # Pretraining's labels: the right one passes, the wrong one never does.
         label, wrong = fam.correct_label(x), fam.wrong(x)
-        assert len(label) <= families.MAX_ANSWER_TOKENS and len(wrong) <= families.MAX_ANSWER_TOKENS
+        # a tool family's right label is a whole episode: a call, its result, the answer
+        limit = families.MAX_ANSWER_TOKENS * (3 if fam.tool else 1)
+        assert len(label) <= limit and len(wrong) <= families.MAX_ANSWER_TOKENS
         assert set(label + wrong) <= set(basemodel.CHARSET)
         assert correct(name, r["prompt"], label)
         assert not correct(name, r["prompt"], wrong)
@@ -147,7 +149,8 @@ def test_ensure_base_caches(tmp_path, monkeypatch):
         calls.append(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "weights").write_text("w")
-        (out_dir / pretrain.META_FILE).write_text(json.dumps({"preset": preset, "seed": seed}))
+        meta = {"preset": preset, "seed": seed, "families": {nm: {} for nm in families.FAMILIES}}
+        (out_dir / pretrain.META_FILE).write_text(json.dumps(meta))
         return out_dir
 
     monkeypatch.setattr(pretrain, "build_base", fake_build)
@@ -157,6 +160,15 @@ def test_ensure_base_caches(tmp_path, monkeypatch):
     assert len(calls) == 1 and calls[0] != target  # built elsewhere, then renamed into place
     assert (target / "weights").is_file()
     assert [p.name for p in target.parent.iterdir()] == ["base"]  # no temp dir left
+
+    # A base pretrained before a family existed (or of another seed) is out of date: rebuilt.
+    meta = json.loads((target / pretrain.META_FILE).read_text())
+    meta["families"].pop("calc")
+    (target / pretrain.META_FILE).write_text(json.dumps(meta))
+    assert not pretrain.is_current(target, "test", 0)
+    pretrain.ensure_base(target, "test", 0, progress=False)
+    assert len(calls) == 2 and pretrain.is_current(target, "test", 0)
+    assert not pretrain.is_current(target, "test", 1) and not pretrain.is_current(target, "default", 0)
 
 
 def test_ensure_base_crash_leaves_nothing(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 import pytest
 
-from marlaas.timeline import busy_fractions, overlap_fraction, union_length
+from marlaas.timeline import busy_fractions, idle_gaps, overlap_fraction, union_length
 
 pytestmark = pytest.mark.unit
 
@@ -23,3 +23,17 @@ def test_busy_fractions_and_overlap():
     # generate busy [0,4], train busy during [2,4] of it -> 0.5
     assert overlap_fraction(ev, "generate", "train", 0, 10) == 0.5
     assert overlap_fraction(ev, "verify", "train", 0, 10) == 0.0
+
+
+def test_idle_gaps_hand_values():
+    ev = [
+        {"station": "train", "start": 1, "end": 2},
+        {"station": "train", "start": 1.5, "end": 3},  # overlaps: merged into [1, 3]
+        {"station": "train", "start": 4, "end": 5},
+        {"station": "train", "start": 7.5, "end": 8},
+        {"station": "generate", "start": 3, "end": 7},
+    ]
+    # train busy [1,3], [4,5], [7.5,8]: gaps 1 and 2.5; the wait before 1 is not a gap
+    assert idle_gaps(ev, "train", 0, 10) == [1.0, 2.5]
+    assert idle_gaps(ev, "train", 0, 6) == [1.0]  # clipped window
+    assert idle_gaps(ev, "verify", 0, 10) == []

@@ -140,6 +140,17 @@ def group_requests_by_adapter_budget(requests: list[GenRequest], max_adapters: i
         yield chunk
 
 
+def stop_token_ids(tokenizer, stop: tuple[str, ...] | list[str]) -> list[int]:
+    """The token id of each stop string; ValueError when one is not exactly one token."""
+    out = []
+    for s in stop:
+        ids = tokenizer(s, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1 or ids[0] == tokenizer.unk_token_id:
+            raise ValueError(f"stop string {s!r} is not one token of this tokenizer")
+        out.append(ids[0])
+    return out
+
+
 def validate_requests(requests: list[GenRequest]) -> None:
     for r in requests:
         if r.n < 1:

@@ -1,13 +1,17 @@
 """transformers + PEFT generation engine (the CPU default: faster than vLLM's CPU LoRA path here).
 
 One resident fp32 base wrapped in a PeftModel that holds up to `max_adapters` adapter versions
-(LRU). Requests are grouped by (temperature, max_new_tokens, greedy); each group is one `generate`
-call over all its rows (each request's prompt repeated `n` times, left-padded):
+(LRU). Requests are grouped by (temperature, max_new_tokens, greedy, stop); each group is one
+`generate` call over all its rows (each request's prompt repeated `n` times, left-padded; the
+group's stop tokens act as extra EOS ids, but only EOS marks a completion `finished`):
 
 - every row on one adapter: `set_adapter` (PEFT's fast path);
 - every row on the base: `disable_adapter()`;
-- mixed: PEFT's per-row `adapter_names` ("__base__" for base rows). peft 0.21.2 leaves its forward
-  pre-hooks registered when such a call raises, so every failure purges them (`_purge_row_hooks`).
+- mixed (default `mixed_path="stacked"`): every adapter of the batch in one pair of batched matmuls
+  per LoRA layer (`marlaas.engines.stacked_lora`; figures in results/generation_engines.json);
+- mixed with `mixed_path="peft"` (or adapters the stacked path refuses, e.g. DoRA): PEFT's per-row
+  `adapter_names` ("__base__" for base rows). peft 0.21.2 leaves its forward pre-hooks registered
+  when such a call raises, so every failure purges them (`_purge_row_hooks`).
 
 Log-probs are `log_softmax` of the scores the sampler actually used (transformers' processed
 scores: logits / temperature when sampling, raw logits when greedy); top-k and top-p are disabled
@@ -34,8 +38,10 @@ from marlaas.engines.generation import (
     load_tokenizer,
     lora_config_from_dict,
     safe_adapter_name,
+    stop_token_ids,
     validate_requests,
 )
+from marlaas.engines.stacked_lora import StackedLoRAUnsupported, stacked_lora
 from marlaas.engines.types import AdapterRef, Completion, GenRequest, GenResult
 
 BASE = "__base__"
@@ -83,6 +89,7 @@ class HFEngine(GenerationEngine):
         threads: int = 1,
         max_adapters: int = 64,
         max_rows_per_call: int = 1024,
+        mixed_path: str = "stacked",
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
@@ -90,6 +97,9 @@ class HFEngine(GenerationEngine):
         super().__init__(adapter_source, max_adapters=max_adapters)
         self.threads = threads
         self.max_rows_per_call = max_rows_per_call
+        if mixed_path not in ("stacked", "peft"):
+            raise ValueError(f"mixed_path must be 'stacked' or 'peft', not {mixed_path!r}")
+        self.mixed_path = mixed_path
         _set_threads(threads)
         self.tokenizer = load_tokenizer(base_path)
         self.model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
@@ -155,22 +165,26 @@ class HFEngine(GenerationEngine):
             for i in chunk:
                 r = requests[i]
                 key = (True, 1.0, r.max_new_tokens) if r.greedy else (False, float(r.temperature), r.max_new_tokens)
-                groups.setdefault(key, []).append(i)
-            for (greedy, temperature, max_new), idxs in groups.items():
+                groups.setdefault((*key, tuple(r.stop)), []).append(i)
+            for (greedy, temperature, max_new, stop), idxs in groups.items():
+                stop_ids = stop_token_ids(self.tokenizer, stop)
                 # Keep each call under max_rows_per_call rows (whole requests only).
                 batch: list[int] = []
                 rows = 0
                 for i in idxs:
                     if batch and rows + requests[i].n > self.max_rows_per_call:
-                        self._run_group(requests, batch, names, greedy, temperature, max_new, ignore_eos, results)
+                        self._run_group(requests, batch, names, greedy, temperature, max_new, ignore_eos, results,
+                                        stop_ids)
                         batch, rows = [], 0
                     batch.append(i)
                     rows += requests[i].n
                 if batch:
-                    self._run_group(requests, batch, names, greedy, temperature, max_new, ignore_eos, results)
+                    self._run_group(requests, batch, names, greedy, temperature, max_new, ignore_eos, results,
+                                    stop_ids)
         return results  # type: ignore[return-value]
 
-    def _run_group(self, requests, idxs, names, greedy, temperature, max_new, ignore_eos, results) -> None:
+    def _run_group(self, requests, idxs, names, greedy, temperature, max_new, ignore_eos, results,
+                   stop_ids=()) -> None:
         import torch
         from transformers import GenerationConfig
 
@@ -192,7 +206,8 @@ class HFEngine(GenerationEngine):
             max_new_tokens=max_new,
             num_beams=1,
             pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=None if ignore_eos else self.eos_ids,
+            eos_token_id=None if ignore_eos and not stop_ids else
+            [*([] if ignore_eos else self.eos_ids), *stop_ids],
             return_dict_in_generate=True,
             output_scores=True,
         )
@@ -209,6 +224,12 @@ class HFEngine(GenerationEngine):
             if len(distinct) == 1:
                 self.peft.set_adapter(row_adapters[0])
                 return self.peft.generate(**kwargs)
+            if self.mixed_path == "stacked":
+                try:
+                    with stacked_lora(self.peft, row_adapters, BASE), self.peft.disable_adapter():
+                        return self.peft.generate(**kwargs)
+                except StackedLoRAUnsupported:
+                    pass  # e.g. DoRA: PEFT's own per-row path below
             try:
                 return self.peft.generate(**kwargs, adapter_names=row_adapters)
             except BaseException:
@@ -227,7 +248,8 @@ class HFEngine(GenerationEngine):
             scores = torch.stack(out.scores, dim=1).float()  # [rows, steps, vocab], processed
             logp = torch.log_softmax(scores, dim=-1).gather(-1, gen.unsqueeze(-1)).squeeze(-1)
 
-        eos = set(self.eos_ids)
+        eos = set() if ignore_eos else set(self.eos_ids)
+        ends = eos | set(stop_ids)
         gen_l = gen.tolist()
         logp_l = logp.tolist()
         row = 0
@@ -237,11 +259,10 @@ class HFEngine(GenerationEngine):
             for _ in range(r.n):
                 toks, lps = gen_l[row], logp_l[row]
                 end, finished = len(toks), False
-                if not ignore_eos:
-                    for j, t in enumerate(toks):
-                        if t in eos:
-                            end, finished = j + 1, True
-                            break
+                for j, t in enumerate(toks):
+                    if t in ends:  # EOS finishes the completion; a stop token only ends it
+                        end, finished = j + 1, t in eos
+                        break
                 toks, lps = toks[:end], lps[:end]
                 body = toks[:-1] if finished else toks
                 text = self.tokenizer.decode(body, skip_special_tokens=True)

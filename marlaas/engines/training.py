@@ -14,7 +14,9 @@ Invariants:
   the job's first step, deterministically from `spec.seed`.
 - A step that fails evicts the job: the cache never holds a half-updated adapter. A step whose
   gradient is NaN/inf publishes the unchanged adapter (metrics `noop`, `nonfinite_grad`).
-- One optimiser step per batch, so pi_prox = pi_theta at the step start (see `marlaas.rl`).
+- One optimiser step per batch, so pi_prox = pi_theta at the step start (see `marlaas.rl`): the
+  gradient pass gives it for free. The job's `rl` spec picks the objective (`job_loss`); only
+  prox = 'recompute' with LoRA dropout > 0 runs an extra no-grad pass (`needs_prox_pass`).
 - Not thread-safe: one trainer lane per engine (DESIGN invariant 5).
 
 Zero-advantage samples contribute nothing to the policy term and are not run through the model
@@ -59,12 +61,20 @@ class TrainSample:
 
     `completion_ids` include the EOS token when one was generated; `behav_logprobs` holds one
     sampling log-prob per completion token (log_softmax(logits / temperature) of the sampler).
+    `loss_mask` (None = all ones) marks the tokens the policy is trained on: a tool episode's
+    tool-result tokens are context, not actions (mask 0; their behaviour log-prob is unused).
     """
 
     prompt: str
     completion_ids: list[int]
     behav_logprobs: list[float]
     advantage: float
+    loss_mask: list[int] | None = None
+
+    @property
+    def n_actions(self) -> int:
+        """Tokens the loss counts (mask 1)."""
+        return len(self.completion_ids) if self.loss_mask is None else int(sum(self.loss_mask))
 
 
 @dataclass
@@ -92,6 +102,46 @@ class _Job:
     keys: list[str]
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
+
+
+def needs_prox_pass(spec: JobSpec) -> bool:
+    """Whether the step runs a separate no-grad forward for pi_prox: only prox = 'recompute' with LoRA
+    dropout > 0. Without dropout the gradient pass's detached log-probs ARE pi_prox (one optimiser step
+    per batch), and 'a3po' / 'ppo' never need one."""
+    loss = spec.rl.loss
+    return loss.kind == "decoupled_ppo" and loss.prox == "recompute" and spec.lora.dropout > 0
+
+
+def job_loss(
+    spec: JobSpec,
+    samples: list[TrainSample],
+    kept: list[TrainSample],
+    logp_B_T: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    behav_B_T: torch.Tensor,
+    ref_B_T: torch.Tensor | None = None,
+    prox_B_T: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """One job's step loss over its `kept` rows (the batch's tensors), as its `rl` spec selects.
+
+    Normalisers: 'token' and 'sequence' count the kept rows, rescaled to the whole batch when
+    `drop_zero_advantage` is off; 'constant' divides by K = max_new_tokens x len(samples) (Dr. GRPO's
+    constant: independent of lengths, and every row handed to the trainer counts).
+    `prox_B_T` is a recomputed pi_prox (see `needs_prox_pass`); None reads it off `logp_B_T`.
+    """
+    cfg = spec.rl
+    adv_B = torch.tensor([s.advantage for s in kept], dtype=torch.float32)
+    loss, stats = rl.spec_loss(
+        cfg, logp_B_T, behav_B_T, adv_B, mask_B_T, recomputed_prox_B_T=prox_B_T, ref_logprobs_B_T=ref_B_T,
+        constant_norm=float(spec.max_new_tokens * max(len(samples), 1)),
+    )  # fmt: skip
+    if not cfg.drop_zero_advantage and len(kept) < len(samples):
+        # Skipped rows still count in the normaliser: rescale to the full batch's loss.
+        if cfg.aggregation == "token":
+            loss = loss * mask_B_T.sum() / max(1, sum(s.n_actions for s in samples))
+        elif cfg.aggregation == "sequence":
+            loss = loss * sum(1 for s in kept if s.completion_ids) / sum(1 for s in samples if s.completion_ids)
+    return loss, stats
 
 
 def lora_config(lora: LoraSpec):
@@ -337,6 +387,8 @@ class TrainingEngine:
                 raise ValueError(
                     f"sample {i}: {len(s.completion_ids)} completion tokens but {len(s.behav_logprobs)} logprobs"
                 )
+            if s.loss_mask is not None and len(s.loss_mask) != len(s.completion_ids):
+                raise ValueError(f"sample {i}: {len(s.completion_ids)} tokens but {len(s.loss_mask)} mask values")
             seqs.append(self._ids(s.prompt) + list(s.completion_ids))
             lens.append(len(s.completion_ids))
         B, L, T = len(seqs), max(map(len, seqs)), max(lens)
@@ -349,7 +401,8 @@ class TrainingEngine:
             input_ids[i, L - len(seq) :] = torch.tensor(seq)
             attn[i, L - len(seq) :] = 1
             if n:
-                mask_B_T[i, T - n :] = 1
+                m = samples[i].loss_mask
+                mask_B_T[i, T - n :] = 1 if m is None else torch.tensor(m, dtype=torch.float32)
                 behav_B_T[i, T - n :] = torch.tensor(samples[i].behav_logprobs, dtype=torch.float32)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         return input_ids, attn, positions, mask_B_T, behav_B_T, T
@@ -406,6 +459,15 @@ class TrainingEngine:
                 metrics[k] = None
         return out
 
+    def step_fused(
+        self, jobs: list[tuple[str, int, JobSpec, list[TrainSample], TrainState | None]]
+    ) -> list[StepOutput]:
+        """`step` for several `(job_id, version, spec, samples, state)` in one forward/backward with
+        per-row adapter routing (`marlaas.engines.fused`); each job's gradient equals its solo step's."""
+        from marlaas.engines.fused import step_fused
+
+        return step_fused(self, jobs)
+
     def _train(self, entry: _Job, spec: JobSpec, samples: list[TrainSample]) -> dict:
         cfg = spec.rl
         with_kl = cfg.kl_coef > 0
@@ -421,25 +483,21 @@ class TrainingEngine:
             return metrics
 
         self._activate(entry)
-        self.model.train()
         entry.optimizer.zero_grad(set_to_none=True)
         input_ids, attn, positions, mask_B_T, behav_B_T, T = self._batch(kept)
+        prox_B_T = None
+        if needs_prox_pass(spec):
+            # With LoRA dropout the training pass is a perturbed policy, not pi_prox: recompute it.
+            self.model.eval()
+            with torch.no_grad():
+                prox_B_T = self._logprobs(self.model, input_ids, attn, positions, T, spec.temperature)
+        self.model.train()
         logp_B_T = self._logprobs(self.model, input_ids, attn, positions, T, spec.temperature)
         ref_B_T = None
         if with_kl:
             with torch.no_grad(), self.model.disable_adapter():
                 ref_B_T = self._logprobs(self.model, input_ids, attn, positions, T, spec.temperature)
-        adv_B = torch.tensor([s.advantage for s in kept], dtype=torch.float32)
-        loss, stats = rl.policy_loss(
-            logp_B_T, logp_B_T.detach(), behav_B_T, adv_B, mask_B_T, clip_eps=cfg.clip_eps,
-            tis_cap=cfg.tis_cap, aggregation=cfg.aggregation, kl_coef=cfg.kl_coef, ref_logprobs_B_T=ref_B_T,
-        )  # fmt: skip
-        if not cfg.drop_zero_advantage and len(kept) < len(samples):
-            # Skipped rows still count in the normaliser: rescale to the full batch's loss.
-            if cfg.aggregation == "token":
-                loss = loss * mask_B_T.sum() / sum(len(s.completion_ids) for s in samples)
-            else:
-                loss = loss * sum(1 for s in kept if s.completion_ids) / sum(1 for s in samples if s.completion_ids)
+        loss, stats = job_loss(spec, samples, kept, logp_B_T, mask_B_T, behav_B_T, ref_B_T, prox_B_T)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(entry.params, GRAD_CLIP)
         finite = bool(torch.isfinite(grad_norm))

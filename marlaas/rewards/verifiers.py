@@ -18,6 +18,8 @@ A verifier is `fn(completion: str, row: dict) -> float` (a bool counts as 0.0/1.
   code). Standard-library modules and builtins are refused (`builtins:eval` would run model output
   unsandboxed); `MARLAAS_VERIFIER_MODULES`, when set, is a comma-separated allow-list of module
   prefixes.
+- `tool`: a multi-turn tool episode (the `calc` task): `exact` on its final answer, the text after
+  its last tool call and result (`marlaas.episodes.final_answer`).
 
 Invariant: `score_group` never raises for a known verifier: a verifier that raises scores 0.0 for
 that completion and is counted in `GroupScore.errors` with the first message kept (one line).
@@ -41,7 +43,7 @@ from marlaas.errors import VerifierError
 
 Verifier = Callable[[str, dict], "float | bool"]
 
-BUILTIN = ("exact", "math", "code")
+BUILTIN = ("exact", "math", "code", "tool")
 _DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
 _NAME = re.compile(rf"^{_DOTTED}:{_DOTTED}$", re.ASCII)
 ALLOW_ENV = "MARLAAS_VERIFIER_MODULES"
@@ -157,7 +159,16 @@ def _score_code(completions: list[str], row: dict) -> GroupScore:
     return GroupScore(rewards=[1.0 if r.ok else 0.0 for r in results])
 
 
-_BUILTIN_FNS: dict[str, Verifier] = {"exact": exact_verifier, "math": math_verifier, "code": code_verifier}
+def tool_verifier(completion: str, row: dict) -> float:
+    """A tool episode (`marlaas.episodes`): exact match of its final answer, the text after its
+    last tool exchange ("[47*38]=1786;1786" -> "1786")."""
+    from marlaas.episodes import final_answer
+
+    return exact_verifier(final_answer(completion), row)
+
+
+_BUILTIN_FNS: dict[str, Verifier] = {"exact": exact_verifier, "math": math_verifier, "code": code_verifier,
+                                     "tool": tool_verifier}
 
 
 # ---------------------------------------------------------------- registry

@@ -1,0 +1,238 @@
+"""Reading the user's own data: rows, JSONL, parquet and local Hugging Face `datasets` directories.
+
+Sources (`JobSpec.dataset` / `eval_dataset`):
+
+- a list of dicts;
+- `*.jsonl` / `*.ndjson`: one JSON object per line; errors name the line, counted from 1 as an
+  editor shows it (blank lines are skipped but counted);
+- `*.parquet` / `*.pq`: read with pyarrow; errors name the row, counted from 0 as pyarrow and
+  `datasets` index it;
+- a directory written by `datasets.Dataset.save_to_disk` (it holds `state.json`) or by
+  `DatasetDict.save_to_disk` (`dataset_dict.json`; one split is read: the one asked for, else
+  "train" for training data and the first of "test", "validation" for held-out data). Errors
+  name the row as for parquet, with the split: `dataset mydir[test] row 3: ...`.
+
+Field mapping (invariant of every row this module returns): `rec[fields.prompt]` becomes "prompt"
+(a non-empty string), `rec[fields.answer]` becomes "answer" and `rec[fields.tests]` becomes
+"tests" when present and not null; every other column is kept under its own name (custom verifiers
+see them), except the reserved names "prompt", "answer", "tests", "raw_prompt", which only the
+mapping fills. A row must be storable as JSON; a column holding e.g. a timestamp is refused.
+
+Chat templates (`render_chat`): with a base tokenizer that has a `chat_template`, a row's prompt
+becomes template([{"role": "user", "content": prompt}], add_generation_prompt=True) and the
+original text is kept as "raw_prompt"; generation, training and evaluation all read "prompt".
+
+Every problem raises one `SpecError` line that names the source and the line or row.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from marlaas.errors import SpecError
+
+SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+TRAIN_SPLITS = ("train",)
+EVAL_SPLITS = ("test", "validation")
+RESERVED = ("prompt", "answer", "tests", "raw_prompt")
+
+
+@dataclass(frozen=True)
+class Fields:
+    """Which source columns hold the prompt, the answer and the code tests."""
+
+    prompt: str = "prompt"
+    answer: str = "answer"
+    tests: str = "tests"
+
+
+def format_error(path: str | Path, what: str = "dataset") -> str | None:
+    """Why a path cannot be a data source (one line), or None when its kind is known."""
+    if not str(path).strip():
+        return f"{what} path is empty"
+    p = Path(path)
+    if p.is_dir():
+        if (p / "state.json").is_file() or (p / "dataset_dict.json").is_file():
+            return None
+        return (f"{what} {p.name or path}: a directory, but not one written by datasets' save_to_disk "
+                "(no state.json or dataset_dict.json)")
+    if not p.is_file():
+        return f"{what} file not found: {path}"
+    if p.suffix.lower() not in SUFFIXES:
+        return (f"{what} {p.name}: unknown format {p.suffix or '(no extension)'!r}; give a .jsonl or "
+                ".parquet file or a directory written by datasets' save_to_disk")
+    return None
+
+
+def read_records(src: list[dict] | str, what: str = "dataset", split: str | None = None,
+                 default_splits: tuple[str, ...] = TRAIN_SPLITS) -> list[tuple[str, object]]:
+    """(where, record) pairs of a source, in order; `where` names the source and line/row."""
+    if isinstance(src, list):
+        return [(f"{what} row {i}", r) for i, r in enumerate(src)]
+    path = Path(src)
+    err = format_error(path, what)
+    if err:
+        raise SpecError(err)
+    if path.is_dir():
+        out = _read_hf_dir(path, what, split, default_splits)
+    else:
+        if split is not None:
+            raise SpecError(f"{what} {path.name}: a split ({split!r}) is only for a DatasetDict directory")
+        kind = SUFFIXES[path.suffix.lower()]
+        out = _read_jsonl(path, what) if kind == "jsonl" else _read_parquet(path, what)
+    if not out:
+        raise SpecError(f"{what} {path.name} has no rows")
+    return out
+
+
+def dict_splits(path: str | Path) -> list[str] | None:
+    """The splits of a DatasetDict directory, or None when `path` is not one."""
+    f = Path(path) / "dataset_dict.json"
+    if not f.is_file():
+        return None
+    try:
+        splits = json.loads(f.read_text(encoding="utf-8")).get("splits")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        raise SpecError(f"{Path(path).name}/dataset_dict.json is not valid JSON") from None
+    if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+        raise SpecError(f"{Path(path).name}/dataset_dict.json has no list of 'splits'")
+    return splits
+
+
+def pick_split(splits: list[str], split: str | None, default_splits: tuple[str, ...], where: str) -> str:
+    """The split asked for, else the first default present; a clear error otherwise."""
+    if split is not None:
+        if split not in splits:
+            raise SpecError(f"{where}: no split {split!r}; it has {', '.join(splits) or 'none'}")
+        return split
+    for s in default_splits:
+        if s in splits:
+            return s
+    raise SpecError(f"{where}: none of the splits {', '.join(default_splits)}; it has "
+                    f"{', '.join(splits) or 'none'} (choose one with the split option)")
+
+
+def _read_jsonl(path: Path, what: str) -> list[tuple[str, object]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{what} {path.name}: not UTF-8 ({e.reason} at byte {e.start})") from None
+    out = []
+    for i, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{what} {path.name} line {i}"
+        try:
+            out.append((where, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise SpecError(f"{where}: not valid JSON ({e.msg})") from None
+    return out
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def _read_parquet(path: Path, what: str) -> list[tuple[str, object]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        recs = pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise SpecError(f"{what} {path.name}: not a readable parquet file ({_first_line(e)})") from None
+    return [(f"{what} {path.name} row {i}", r) for i, r in enumerate(recs)]
+
+
+def _read_hf_dir(path: Path, what: str, split: str | None,
+                 default_splits: tuple[str, ...]) -> list[tuple[str, object]]:
+    splits = dict_splits(path)
+    name = path.name
+    if splits is not None:
+        chosen = pick_split(splits, split, default_splits, f"{what} {name}")
+        path, name = path / chosen, f"{name}[{chosen}]"
+    elif split is not None:
+        raise SpecError(f"{what} {name}: a split ({split!r}) is only for a DatasetDict directory")
+    if not (path / "state.json").is_file():
+        raise SpecError(f"{what} {name}: a directory, but not one written by datasets' save_to_disk "
+                        "(no state.json or dataset_dict.json)")
+    try:
+        from datasets import load_from_disk
+
+        recs = load_from_disk(str(path)).to_list()
+    except Exception as e:  # datasets raises many types for a damaged directory; report it in one line
+        raise SpecError(f"{what} {name}: cannot read the datasets directory ({_first_line(e)})") from None
+    return [(f"{what} {name} row {i}", r) for i, r in enumerate(recs)]
+
+
+def to_row(rec: object, fields: Fields, where: str, verifier: str | None = None) -> dict:
+    """One record mapped to our row shape and checked for `verifier` (see the module docstring)."""
+    if not isinstance(rec, dict):
+        raise SpecError(f"{where}: expected an object with a {fields.prompt!r} field")
+    prompt = rec.get(fields.prompt)
+    if prompt is None:
+        raise SpecError(f"{where}: {fields.prompt!r} is missing")
+    if not isinstance(prompt, str) or not prompt:
+        raise SpecError(f"{where}: {fields.prompt!r} must be a non-empty string")
+    mapped = (fields.prompt, fields.answer, fields.tests)
+    row = {k: v for k, v in rec.items() if k not in mapped and k not in RESERVED}
+    row["prompt"] = prompt
+    if rec.get(fields.answer) is not None:
+        row["answer"] = rec[fields.answer]
+    if rec.get(fields.tests) is not None:
+        row["tests"] = rec[fields.tests]
+    if verifier == "code":
+        tests = row.get("tests")
+        if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
+            raise SpecError(f"{where}: the code verifier needs {fields.tests!r}, a list of assert statements")
+    elif verifier in ("exact", "math") and "answer" not in row:
+        raise SpecError(f"{where}: {fields.answer!r} is missing (the {verifier} verifier needs it)")
+    try:
+        json.dumps(row)
+    except (TypeError, ValueError):
+        bad = next((k for k, v in row.items() if not _jsonable(v)), "?")
+        raise SpecError(f"{where}: column {bad!r} holds a {type(row[bad]).__name__} value that cannot be "
+                        "stored as JSON; drop the column") from None
+    return row
+
+
+def _jsonable(v) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def load(src: list[dict] | str, what: str = "dataset", fields: Fields = Fields(), verifier: str | None = None,
+         split: str | None = None, default_splits: tuple[str, ...] = TRAIN_SPLITS) -> list[dict]:
+    """Rows of a source, mapped and checked; the first bad one raises SpecError naming it."""
+    return [to_row(rec, fields, where, verifier) for where, rec in read_records(src, what, split, default_splits)]
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_chat(rows: list[dict], tokenizer, what: str = "dataset") -> list[dict]:
+    """Rows with "prompt" rendered by the tokenizer's chat template and the original in "raw_prompt".
+
+    prompt' = apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+    add_generation_prompt=True). Rows already rendered (they carry "raw_prompt") are re-rendered
+    from the raw text, so rendering is idempotent.
+    """
+    out = []
+    for row in rows:
+        raw = row.get("raw_prompt", row["prompt"])
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": raw}], tokenize=False,
+                                                 add_generation_prompt=True)
+        except Exception as e:  # a template is user-supplied Jinja: any error is the template's
+            raise SpecError(f"{what}: the base model's chat template fails on the prompt {raw[:40]!r} "
+                            f"({_first_line(e)})") from None
+        if not isinstance(text, str) or not text:
+            raise SpecError(f"{what}: the base model's chat template gave no text for the prompt {raw[:40]!r}")
+        out.append({**row, "prompt": text, "raw_prompt": raw})
+    return out

@@ -1,0 +1,119 @@
+"""Stacked multi-LoRA forward: every adapter of a mixed batch in one pair of batched matmuls per layer.
+
+PEFT's mixed-batch path (`adapter_names`) loops over the distinct adapters in every LoRA layer at
+every decoding step (select the adapter's rows, two small matmuls, write back), so its cost grows
+with the number of adapters in the batch. Here the adapters' weights of one layer are stacked once
+per `generate` call and the rows are laid out adapter by adapter:
+
+    U = distinct adapters in the batch, m = most rows any one adapter has
+    A_u  [U, in, r_max]   = lora_A[u].weight^T, zero-padded to the largest rank r_max
+    B_u  [U, r_max, out]  = lora_B[u].weight^T * scaling[u]
+    perm [U*m]            rows of the batch in adapter order, padded with a zero row
+    inv  [rows]           each row's position in that layout (base rows -> a zero output row)
+
+    for x [rows, T, in]:  delta = (bmm(bmm(x[perm].view(U, m*T, in), A_u), B_u)).view(U*m, T, out)[inv]
+                          y = base_layer(x) + delta
+
+Zero padding leaves each row's result exactly `x @ A^T @ B^T * scaling` of its own adapter (padded
+rank columns and padded rows contribute zeros), i.e. PEFT's LoRA forward without dropout. The flops
+equal one LoRA per row whatever U is; no per-row copy of any weight is made.
+
+Usage: inside `stacked_lora(peft_model, row_adapters, base_name)` run the PeftModel with its adapters
+DISABLED (`peft_model.disable_adapter()`): PEFT's layers then compute the base only, and forward
+hooks on each LoRA layer add the stacked delta. Hooks are removed on exit, also on error.
+Unsupported (refused, so the caller falls back to PEFT): DoRA, non-Linear LoRA layers.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import partial
+
+
+class StackedLoRAUnsupported(Exception):
+    """The batch uses a LoRA feature the stacked path does not implement."""
+
+
+def row_layout(row_adapters: list[str], names: list[str]):
+    """(perm, inv, m): rows in adapter-major order (see module docstring); rows of no listed adapter
+    (the base) map to the zero output row U*m."""
+    import torch
+
+    rows = len(row_adapters)
+    pos = {n: u for u, n in enumerate(names)}
+    members: list[list[int]] = [[] for _ in names]
+    for i, a in enumerate(row_adapters):
+        if a in pos:
+            members[pos[a]].append(i)
+    m = max((len(x) for x in members), default=0)
+    perm = torch.full((len(names) * m,), rows, dtype=torch.long)
+    inv = torch.full((rows,), len(names) * m, dtype=torch.long)
+    for u, idx in enumerate(members):
+        if idx:
+            t = torch.tensor(idx, dtype=torch.long)
+            perm[u * m: u * m + len(idx)] = t
+            inv[t] = torch.arange(u * m, u * m + len(idx))
+    return perm, inv, m
+
+
+def stack_weights(layer, names: list[str]):
+    """(A_u [U, in, r_max], B_u [U, r_max, out]) of one PEFT LoRA Linear layer for `names`
+    (an adapter the layer lacks contributes zeros)."""
+    import torch
+
+    base = layer.get_base_layer()
+    if not isinstance(base, torch.nn.Linear):
+        raise StackedLoRAUnsupported(f"LoRA on {type(base).__name__} layers")
+    present = [n for n in names if n in layer.lora_A]
+    if any(layer.use_dora.get(n, False) for n in present):
+        raise StackedLoRAUnsupported("DoRA adapters")
+    r_max = max((layer.lora_A[n].weight.shape[0] for n in present), default=1)
+    w = base.weight
+    A = w.new_zeros(len(names), base.in_features, r_max)
+    B = w.new_zeros(len(names), r_max, base.out_features)
+    for u, n in enumerate(names):
+        if n in layer.lora_A:
+            a = layer.lora_A[n].weight  # [r, in]
+            b = layer.lora_B[n].weight  # [out, r]
+            r = a.shape[0]
+            A[u, :, :r] = a.t()
+            B[u, :r, :] = b.t() * layer.scaling[n]
+    return A, B
+
+
+def _add_delta(layer, args, out, *, A, B, perm, inv, m):
+    import torch
+
+    x = args[0]
+    rows, d_in = x.shape[0], x.shape[-1]
+    T = x[0].numel() // d_in
+    U = A.shape[0]
+    x3 = x.reshape(rows, T, d_in).to(A.dtype)
+    xp = torch.cat([x3, x3.new_zeros(1, T, d_in)])[perm]  # [U*m, T, in]
+    o = torch.bmm(torch.bmm(xp.view(U, m * T, d_in), A), B)  # [U, m*T, out]
+    d_out = o.shape[-1]
+    o = torch.cat([o.view(U * m, T, d_out), o.new_zeros(1, T, d_out)])[inv]  # [rows, T, out]
+    return out + o.view(*out.shape).to(out.dtype)
+
+
+@contextmanager
+def stacked_lora(peft_model, row_adapters: list[str], base_name: str):
+    """Within this context, a forward of `peft_model` with its adapters disabled adds each row's own
+    adapter (row i uses `row_adapters[i]`; `base_name` rows get none). Raises StackedLoRAUnsupported
+    before touching the model when the adapters use something this path does not implement."""
+    from peft.tuners.lora import LoraLayer
+
+    names = sorted(set(row_adapters) - {base_name})
+    perm, inv, m = row_layout(row_adapters, names)
+    hooks = []
+    plans = []
+    for module in peft_model.modules():
+        if isinstance(module, LoraLayer) and any(n in module.lora_A for n in names):
+            plans.append((module, *stack_weights(module, names)))
+    try:
+        for module, A, B in plans:
+            hooks.append(module.register_forward_hook(partial(_add_delta, A=A, B=B, perm=perm, inv=inv, m=m)))
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
