@@ -1,4 +1,4 @@
-"""Generation engines, mixed-adapter throughput: HF+PEFT against vLLM (in-process, CPU LoRA path).
+"""Generation engines, mixed-adapter throughput: HF (stacked LoRA), HF+PEFT per-row, vLLM (CPU LoRA path).
 
 One batch of 256 rows (32 prompts x n=8), 8 new tokens per row (EOS ignored so every row does the
 same work), with 0 (base), 1, 8 and 32 distinct LoRA adapters (r=16, all linear layers, random
@@ -13,6 +13,9 @@ Each engine runs in its own subprocess (vLLM edits the process environment and r
 torch.set_num_threads) with the same thread budget.
 
     python bench/generation_engines.py --out results/generation_engines.json [--threads 1]
+
+Labels: `hf` is the default engine (mixed batches through `marlaas.engines.stacked_lora`), `hf-peft`
+the same engine with `mixed_path="peft"` (PEFT's `adapter_names`), `vllm` the vLLM engine.
 """
 
 from __future__ import annotations
@@ -132,7 +135,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/generation_engines.json")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--engines", default="hf,vllm")
+    ap.add_argument("--engines", default="hf,hf-peft,vllm")
     ap.add_argument(
         "--vllm-r64-check",
         action=argparse.BooleanOptionalAction,
@@ -155,7 +158,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="marlaas-bench-") as tmp:
         workdir = Path(tmp)
         build(workdir, max(CASES))
-        runs = [(kind, kind, args.repeats, CASES, {}) for kind in args.engines.split(",")]
+        # "hf" runs the default mixed path (stacked LoRA); "hf-peft" the same engine on PEFT's per-row path.
+        labels = {"hf": ("hf", {}), "hf-peft": ("hf", {"mixed_path": "peft"}), "vllm": ("vllm", {})}
+        runs = [(label, *labels[label][:1], args.repeats, CASES, labels[label][1])
+                for label in args.engines.split(",")]
         if args.vllm_r64_check and "vllm" in args.engines.split(","):
             runs.append(("vllm_max_lora_rank_64", "vllm", 1, [1, max(CASES)], {"max_lora_rank": 64}))
         engines = {}

@@ -1,16 +1,28 @@
 """Side by side: the same jobs run one after another synchronously, then all at once asynchronously.
 
-    .venv/bin/python bench/throughput.py --tenants 1,2,4,8 --steps 8 --out results/throughput.json
+    .venv/bin/python bench/throughput.py --tenants 1,2,4,8,16,32 --steps 8 --workloads compute,agentic \
+        --trl --out results/throughput.json
 
 Both runs go through the same code and the same warm worker processes (one private stack started from
 the Procfile lines): *sequential* submits job i+1 when job i is done, each with max_staleness 0 (no
 stage overlap inside a job either); *marlaas* submits every job at once with max_staleness S.
-Per N: makespans, speedup, samples/s, each station's busy fraction from the event log, and the
-*ceiling*: the best makespan this machine allows for the sequential run's measured work, given that
-each station is one process and the machine has `cores` cores:
-    ceiling_makespan = max(busy_generate, busy_verify, busy_train, (sum of busy) / cores)
-    ceiling_speedup  = sequential_makespan / ceiling_makespan
-(the arithmetic is written into the JSON). Compute-only workload (built-in single-turn tasks).
+Workloads: *compute* (built-in single-turn tasks, cycling through `TASKS`) and *agentic* (the
+multi-turn `calc` tool task; its calculator is the stack's `tool` process, a real local HTTP service
+with the per-call latency `--tool-latency-ms` standing for a remote tool, the same in both runs).
+Per N: makespans, speedup, samples/s, each station's busy time and fraction from the event log, the
+trainer's idle gaps, and the *ceiling*: the best makespan this machine allows for the measured work.
+Each station is one process, so a run cannot end before its busiest station has done its work, nor
+before the machine's `cores` have done all stations' work together:
+    ceiling_makespan(run) = max(busy_generate, busy_verify, busy_train, sum(busy) / cores)
+The marlaas run's own busy times are the work it had to do (mixed batches make its generate work
+smaller than the sequential run's), so
+    ceiling_speedup    = sequential_makespan / ceiling_makespan(marlaas run)
+    fraction_of_ceiling = speedup / ceiling_speedup = ceiling_makespan(marlaas) / marlaas_makespan
+and `makespan_over_busiest` = marlaas makespan / its busiest station's busy time (target <= 1.15).
+The arithmetic is written into the JSON. With `--trl`, `bench/trl_peer.py` runs TRL's GRPOTrainer on
+the same compute-only jobs one after another (in a subprocess, after the stack is stopped) and the
+JSON gains its makespans and our speedup over it. PNGs: the station timeline (Gantt) of the marlaas
+run at N=8 and the speedup and ceiling against N (`--png-prefix`).
 """
 
 from __future__ import annotations
@@ -18,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,13 +41,15 @@ from marlaas.pretrain import ensure_base
 from marlaas.settings import get_settings
 from marlaas.spec import JobSpec
 from marlaas.store import Store
-from marlaas.timeline import STATIONS, busy_fractions, union_length
+from marlaas.timeline import STATIONS, busy_fractions, idle_gaps, union_length
 
 TASKS = ("sort", "reverse", "max", "code", "min", "add")
+WORKLOAD_TASKS = {"compute": TASKS, "agentic": ("calc",)}
 
 
-def specs(n: int, steps: int, staleness: int, tag: str) -> list[JobSpec]:
-    return [JobSpec(tenant=f"{tag}{i}", task=TASKS[i % len(TASKS)], steps=steps, group_size=8, prompts_per_step=8,
+def specs(n: int, steps: int, staleness: int, tag: str, workload: str = "compute") -> list[JobSpec]:
+    tasks = WORKLOAD_TASKS[workload]
+    return [JobSpec(tenant=f"{tag}{i}", task=tasks[i % len(tasks)], steps=steps, group_size=8, prompts_per_step=8,
                     max_staleness=staleness, seed=i, eval_size=32) for i in range(n)]
 
 
@@ -41,20 +57,25 @@ def measure(store: Store, t0: float, t1: float) -> dict:
     ev = store.events(since=t0)
     busy_s = {s: round(union_length([(e["start"], e["end"]) for e in ev if e["station"] == s], t0, t1), 2)
               for s in STATIONS}
-    return {"makespan_s": round(t1 - t0, 2), "busy_s": busy_s, "busy_fraction": busy_fractions(ev, t0, t1)}
+    gaps = idle_gaps(ev, "train", t0, t1)
+    return {"makespan_s": round(t1 - t0, 2), "busy_s": busy_s, "busy_fraction": busy_fractions(ev, t0, t1),
+            "train_idle_gaps": {"count": len(gaps), "total_s": round(sum(gaps), 2),
+                                "max_s": round(max(gaps, default=0.0), 3)},
+            "events": [{k: e[k] for k in ("station", "start", "end")} | {"jobs": e.get("jobs", [])}
+                       for e in ev if t0 <= e["start"] <= t1]}
 
 
-def run_sequential(client: Client, n: int, steps: int) -> dict:
+def run_sequential(client: Client, n: int, steps: int, workload: str) -> dict:
     t0 = time.time()
-    for s in specs(n, steps, 0, "seq"):
+    for s in specs(n, steps, 0, f"seq-{workload}-", workload):
         st = client.submit(s).wait(timeout=3600)
         assert st["status"] == "done", st
     return measure(client.store, t0, time.time())
 
 
-def run_marlaas(client: Client, n: int, steps: int, staleness: int) -> dict:
+def run_marlaas(client: Client, n: int, steps: int, staleness: int, workload: str) -> dict:
     t0 = time.time()
-    jobs = [client.submit(s) for s in specs(n, steps, staleness, "async")]
+    jobs = [client.submit(s) for s in specs(n, steps, staleness, f"async-{workload}-", workload)]
     finals = [j.wait(timeout=3600) for j in jobs]
     assert all(f["status"] == "done" for f in finals), finals
     out = measure(client.store, t0, time.time())
@@ -63,61 +84,163 @@ def run_marlaas(client: Client, n: int, steps: int, staleness: int) -> dict:
     return out
 
 
+def ceiling(run: dict, cores: int) -> tuple[float, str]:
+    b = run["busy_s"]
+    total = sum(b.values())
+    value = max(*b.values(), total / cores)
+    arithmetic = (f"max(generate {b['generate']}, verify {b['verify']}, train {b['train']}, "
+                  f"sum {total:.2f} / {cores} cores) = {value:.2f} s")
+    return value, arithmetic
+
+
+def row_for(n: int, steps: int, seq: dict, asy: dict, cores: int) -> dict:
+    if n != 8:  # the Gantt picture is drawn at N=8 only; elsewhere the events would just bloat the JSON
+        seq.pop("events", None)
+        asy.pop("events", None)
+    c_makespan, arithmetic = ceiling(asy, cores)
+    busiest = max(asy["busy_s"].values())
+    samples = n * steps * 8 * 8
+    row = {
+        "tenants": n,
+        "sequential": seq,
+        "marlaas": asy,
+        "speedup": round(seq["makespan_s"] / asy["makespan_s"], 3),
+        "samples_per_s": {"sequential": round(samples / seq["makespan_s"], 1),
+                          "marlaas": round(samples / asy["makespan_s"], 1)},
+        "ceiling": {
+            "formula": "max(busy_generate, busy_verify, busy_train, sum(busy) / cores) of the marlaas run",
+            "arithmetic": arithmetic,
+            "cores": cores,
+            "ceiling_makespan_s": round(c_makespan, 2),
+            "ceiling_speedup": round(seq["makespan_s"] / c_makespan, 3),
+            "sequential_work_ceiling_speedup": round(seq["makespan_s"] / ceiling(seq, cores)[0], 3),
+        },
+        "makespan_over_busiest": round(asy["makespan_s"] / max(busiest, 1e-9), 3),
+    }
+    row["fraction_of_ceiling"] = round(row["speedup"] / row["ceiling"]["ceiling_speedup"], 3)
+    return row
+
+
+def run_trl(tenants: str, steps: int, base: Path) -> dict:
+    """bench/trl_peer.py in a subprocess (its own process, like any job-after-job trainer)."""
+    out = get_settings().home / "trl_peer.json"
+    cmd = [sys.executable, str(Path(__file__).with_name("trl_peer.py")), "--tenants", tenants, "--steps", str(steps),
+           "--base", str(base), "--out", str(out)]
+    subprocess.run(cmd, check=True)
+    return json.loads(out.read_text())
+
+
+def plot(report: dict, prefix: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for wl, rows in report["workloads"].items():
+        ns = [r["tenants"] for r in rows]
+        ax.plot(ns, [r["speedup"] for r in rows], "o-", label=f"{wl}: measured speedup")
+        ax.plot(ns, [r["ceiling"]["ceiling_speedup"] for r in rows], "s--", label=f"{wl}: ceiling")
+    if report.get("trl"):
+        ns = [r["tenants"] for r in report["trl"]["rows"]]
+        ax.plot(ns, [r["speedup_marlaas_over_trl"] for r in report["trl"]["rows"]], "^:",
+                label="compute: marlaas over TRL job after job")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tenants (concurrent jobs)")
+    ax.set_ylabel("speedup over sequential synchronous")
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.legend(fontsize=7)
+    ax.set_title(f"marlaas vs job after job ({report['machine']['cores']} CPU cores)")
+    fig.tight_layout()
+    path = Path(f"{prefix}_speedup.png")
+    fig.savefig(path, dpi=110)
+    written.append(str(path))
+    for wl, rows in report["workloads"].items():
+        r8 = next((r for r in rows if r["tenants"] == 8), None)
+        if r8 is None:
+            continue
+        fig, axes = plt.subplots(2, 1, figsize=(10, 4), sharex=False)
+        for ax, name in zip(axes, ("sequential", "marlaas")):
+            ev = r8[name]["events"]
+            t0 = min((e["start"] for e in ev), default=0.0)
+            for y, st in enumerate(STATIONS):
+                spans = [(e["start"] - t0, e["end"] - e["start"]) for e in ev if e["station"] == st]
+                ax.broken_barh(spans, (y - 0.4, 0.8), color=f"C{y}")
+            ax.set_yticks(range(len(STATIONS)), STATIONS)
+            ax.set_title(f"{wl}, N=8, {name}: makespan {r8[name]['makespan_s']} s", fontsize=9)
+        axes[-1].set_xlabel("seconds")
+        fig.tight_layout()
+        path = Path(f"{prefix}_gantt_{wl}_n8.png")
+        fig.savefig(path, dpi=110)
+        written.append(str(path))
+    return written
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tenants", default="1,2,4,8")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--staleness", type=int, default=2)
+    ap.add_argument("--workloads", default="compute")
+    ap.add_argument("--tool-latency-ms", type=int, default=200)
+    ap.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer job after job (bench extra)")
     ap.add_argument("--base", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path("results/throughput.json"))
+    ap.add_argument("--png-prefix", type=Path, default=Path("results/throughput"))
     a = ap.parse_args()
     home = get_settings().home
     base = a.base or ensure_base(home / "base", preset="default", seed=0, progress=True)
     cores = os.cpu_count() or 1
-    stack = Stack(env={"MARLAAS_BASE": str(base)}, log_dir=home / "bench-logs")
-    rows = []
+    workloads = [w for w in a.workloads.split(",") if w]
+    env = {"MARLAAS_BASE": str(base), "MARLAAS_TOOL_LATENCY_MS": str(a.tool_latency_ms)}
+    stack = Stack(env=env, log_dir=home / "bench-logs")
+    report = {
+        "command": f"bench/throughput.py --tenants {a.tenants} --steps {a.steps} --staleness {a.staleness} "
+                   f"--workloads {a.workloads} --tool-latency-ms {a.tool_latency_ms}" + (" --trl" if a.trl else ""),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": {"cores": cores, "loadavg_before": [round(x, 2) for x in os.getloadavg()]},
+        "workload": {"group_size": 8, "prompts_per_step": 8, "max_new_tokens": 8, "eval_size": 32,
+                     "steps": a.steps, "engine": get_settings().engine, "tool_latency_ms": a.tool_latency_ms,
+                     "tasks": {w: list(WORKLOAD_TASKS[w]) for w in workloads}},
+        "workloads": {},
+    }
     try:
-        stack.start("redis", "control", "generate", "verify", "train", "beat")
+        stack.start(*[n for n in ("redis", "tool", "control", "generate", "verify", "train", "beat")
+                      if n in stack.lines])
         wait_for_workers(Store(stack.url), timeout=300)
         client = Client(stack.url)
-        client.submit(specs(1, 2, 0, "warmup")[0]).wait(timeout=600)  # engines warm before timing
-        for n in [int(x) for x in a.tenants.split(",")]:
-            seq = run_sequential(client, n, a.steps)
-            asy = run_marlaas(client, n, a.steps, a.staleness)
-            b = seq["busy_s"]
-            ceiling_makespan = max(*b.values(), sum(b.values()) / cores)
-            samples = n * a.steps * 8 * 8
-            row = {
-                "tenants": n,
-                "sequential": seq,
-                "marlaas": asy,
-                "speedup": round(seq["makespan_s"] / asy["makespan_s"], 3),
-                "samples_per_s": {"sequential": round(samples / seq["makespan_s"], 1),
-                                  "marlaas": round(samples / asy["makespan_s"], 1)},
-                "ceiling": {
-                    "formula": "max(busy_generate, busy_verify, busy_train, sum(busy) / cores) of the sequential run",
-                    "cores": cores,
-                    "ceiling_makespan_s": round(ceiling_makespan, 2),
-                    "ceiling_speedup": round(seq["makespan_s"] / ceiling_makespan, 3),
-                },
-            }
-            row["fraction_of_ceiling"] = round(row["speedup"] / row["ceiling"]["ceiling_speedup"], 3)
-            rows.append(row)
-            print(json.dumps({k: row[k] for k in ("tenants", "speedup", "fraction_of_ceiling")}
-                             | {"ceiling_speedup": row["ceiling"]["ceiling_speedup"],
-                                "makespans": (seq["makespan_s"], asy["makespan_s"])}), flush=True)
+        for wl in workloads:  # engines warm (and the workload's code paths) before timing
+            client.submit(specs(1, 2, 0, f"warmup-{wl}-", wl)[0]).wait(timeout=600)
+        for wl in workloads:
+            rows = report["workloads"][wl] = []
+            for n in [int(x) for x in a.tenants.split(",")]:
+                seq = run_sequential(client, n, a.steps, wl)
+                asy = run_marlaas(client, n, a.steps, a.staleness, wl)
+                rows.append(row_for(n, a.steps, seq, asy, cores))
+                r = rows[-1]
+                print(json.dumps({"workload": wl, "tenants": n, "speedup": r["speedup"],
+                                  "ceiling_speedup": r["ceiling"]["ceiling_speedup"],
+                                  "fraction_of_ceiling": r["fraction_of_ceiling"],
+                                  "makespans": (seq["makespan_s"], asy["makespan_s"]),
+                                  "busy_fraction_marlaas": asy["busy_fraction"]}), flush=True)
     finally:
         stack.stop()
-    out = {
-        "command": f"bench/throughput.py --tenants {a.tenants} --steps {a.steps} --staleness {a.staleness}",
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": {"cores": cores},
-        "workload": {"kind": "compute-only", "group_size": 8, "prompts_per_step": 8, "max_new_tokens": 8,
-                     "eval_size": 32, "engine": get_settings().engine},
-        "rows": rows,
-    }
+    if a.trl and "compute" in report["workloads"]:
+        trl = run_trl(a.tenants, a.steps, base)
+        ours = {r["tenants"]: r for r in report["workloads"]["compute"]}
+        for r in trl["rows"]:
+            mine = ours[r["tenants"]]
+            r["speedup_marlaas_over_trl"] = round(r["makespan_s"] / mine["marlaas"]["makespan_s"], 3)
+            r["speedup_sequential_marlaas_over_trl"] = round(r["makespan_s"] / mine["sequential"]["makespan_s"], 3)
+            r.pop("jobs", None)
+        report["trl"] = trl
+    report["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(out, indent=2))
+    a.out.write_text(json.dumps(report, indent=1))
+    report["pngs"] = plot(report, a.png_prefix)
+    a.out.write_text(json.dumps(report, indent=1))
+    print("wrote", a.out, *report["pngs"])
 
 
 if __name__ == "__main__":

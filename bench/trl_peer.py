@@ -1,0 +1,123 @@
+"""Peer baseline: TRL's GRPOTrainer, the same jobs one after another (issue 4, item 2).
+
+    .venv/bin/pip install -e '.[bench]'         # pins trl
+    .venv/bin/python bench/trl_peer.py --tenants 1,2,4,8 --steps 8 --out results/trl_peer.json
+
+For each N, the N jobs of `bench/throughput.py` (same tasks `TASKS[i % 6]`, seeds, training rows via
+`marlaas.data.job_rows`, 8 prompts x 8 completions per step, 8 new tokens, temperature 1, LoRA rank 16
+alpha 32 on all linear layers, AdamW lr 1e-3, no KL) are trained by `trl.GRPOTrainer` on the same
+base model, on the CPU, one job after another in one warm process (the base is loaded once, as our
+warm workers have it loaded; each job gets a fresh LoRA). Rewards are our verifiers
+(`marlaas.rewards.score_groups`), so the work per step is the same. The makespan is the sum of the
+jobs' `trainer.train()` wall times; TRL runs no held-out evaluation, while our runs include one at
+versions 0 and `steps` (32 prompts): that favours TRL slightly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from marlaas.settings import get_settings
+from marlaas.spec import JobSpec
+
+TASKS = ("sort", "reverse", "max", "code", "min", "add")
+
+
+def job_spec(i: int, steps: int) -> JobSpec:
+    return JobSpec(tenant=f"trl{i}", task=TASKS[i % len(TASKS)], steps=steps, group_size=8, prompts_per_step=8,
+                   max_staleness=0, seed=i, eval_size=32)
+
+
+def reward_fn(spec: JobSpec):
+    """A TRL reward function scoring completions with the job's own verifier."""
+    from marlaas.rewards import score_groups
+
+    verifier = spec.verifier_name()
+
+    def rewards(prompts, completions, row_idx, **_):
+        items = [(ROWS[spec.tenant][i], [c]) for i, c in zip(row_idx, completions)]
+        return [s.rewards[0] for s in score_groups(verifier, items)]
+
+    rewards.__name__ = f"{verifier}_reward"
+    return rewards
+
+
+ROWS: dict[str, list[dict]] = {}
+
+
+def train_one(model_path: Path, tokenizer, spec: JobSpec, out_dir: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from marlaas.data import job_rows
+
+    train, _ = job_rows(spec)
+    ROWS[spec.tenant] = train
+    ds = Dataset.from_list([{"prompt": r["prompt"], "row_idx": i} for i, r in enumerate(train)])
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    cfg = GRPOConfig(
+        output_dir=str(out_dir), use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
+        per_device_train_batch_size=spec.prompts_per_step * spec.group_size, gradient_accumulation_steps=1,
+        num_generations=spec.group_size, max_completion_length=spec.max_new_tokens, max_steps=spec.steps,
+        learning_rate=spec.learning_rate, lr_scheduler_type="constant", warmup_steps=0, beta=0.0,
+        temperature=spec.temperature, top_p=1.0, top_k=0, seed=spec.seed, shuffle_dataset=False,
+        dataloader_num_workers=0, disable_dropout=True, bf16=False, fp16=False,
+    )
+    lora = LoraConfig(r=spec.lora.rank, lora_alpha=spec.lora.alpha, target_modules="all-linear",
+                      lora_dropout=0.0, task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward_fn(spec)], args=cfg, train_dataset=ds,
+                          processing_class=tokenizer, peft_config=lora)
+    t0 = time.time()
+    trainer.train()
+    wall = time.time() - t0
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    return {"task": spec.task, "wall_s": round(wall, 2), "reward_curve": [round(r, 4) for r in rewards]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tenants", default="1,2,4,8")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--base", type=Path, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: MARLAAS_THREADS)")
+    ap.add_argument("--out", type=Path, default=Path("results/trl_peer.json"))
+    a = ap.parse_args()
+    import torch
+    import trl
+
+    from marlaas.basemodel import load_tokenizer
+    from marlaas.pretrain import ensure_base
+
+    settings = get_settings()
+    torch.set_num_threads(a.threads or settings.threads)
+    base = a.base or ensure_base(settings.home / "base", preset="default", seed=0, progress=True)
+    tok = load_tokenizer(base)
+    tok.padding_side = "left"
+    work = settings.home / "trl-peer"
+    rows = []
+    train_one(base, tok, job_spec(99, 1), work)  # warm-up: imports, kernels (not timed)
+    for n in [int(x) for x in a.tenants.split(",")]:
+        jobs = [train_one(base, tok, job_spec(i, a.steps), work) for i in range(n)]
+        rows.append({"tenants": n, "makespan_s": round(sum(j["wall_s"] for j in jobs), 2), "jobs": jobs})
+        print(json.dumps({"tenants": n, "makespan_s": rows[-1]["makespan_s"]}), flush=True)
+    out = {
+        "command": f"bench/trl_peer.py --tenants {a.tenants} --steps {a.steps}",
+        "date": time.strftime("%Y-%m-%d"),
+        "trl_version": trl.__version__,
+        "machine": {"cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "rows": rows,
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
