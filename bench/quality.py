@@ -37,7 +37,7 @@ def task_spec(task: str, i: int, a, staleness: int, tag: str) -> JobSpec:
     """The job of task `task` (index i): identical in every setting except max_staleness."""
     return JobSpec(tenant=f"{tag}-{task}", task=task, steps=a.steps, group_size=a.group_size,
                    prompts_per_step=a.prompts, max_staleness=staleness, seed=a.seed + i,
-                   eval_size=a.eval_size, learning_rate=a.lr)
+                   eval_size=a.eval_size, eval_k=a.eval_k, learning_rate=a.lr)
 
 
 def job_record(job, spec: JobSpec, wall_s: float) -> dict:
@@ -151,6 +151,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--eval-size", type=int, default=200)
+    ap.add_argument("--eval-k", type=int, default=4, help="sampled completions per held-out prompt (pass@k)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--base", type=Path, default=None)
@@ -163,29 +164,36 @@ def main() -> None:
     stack = Stack(env={"MARLAAS_BASE": str(base)}, log_dir=home / "bench-logs")
     t_start = time.time()
     results: dict[str, dict] = {}
+
+    def save() -> dict:  # after every setting, so an interrupted run keeps what it measured
+        out = {
+            "command": "bench/quality.py " + " ".join(
+                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("out", "png", "base")),
+            "date": time.strftime("%Y-%m-%d"),
+            "wall_s": round(time.time() - t_start, 1),
+            "sizes": {"steps": a.steps, "group_size": a.group_size, "prompts_per_step": a.prompts,
+                      "eval_size": a.eval_size, "eval_k": a.eval_k, "learning_rate": a.lr,
+                      "engine": get_settings().engine},
+            "summary": summarise(results, tasks),
+            "results": results,
+        }
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(out, indent=2))
+        plot(results, tasks, a.png)
+        return out
+
     try:
         stack.start(*[n for n in ("redis", "tool", "control", "generate", "verify", "train", "beat")
                       if n in stack.lines])
         wait_for_workers(Store(stack.url), timeout=300)
         client = Client(stack.url)
         results["sync"] = run_sync(client, tasks, a)
+        out = save()
         for s in [int(x) for x in a.staleness.split(",") if x]:
             results[f"async_S{s}"] = run_async(client, tasks, a, s)
+            out = save()
     finally:
         stack.stop()
-    out = {
-        "command": "bench/quality.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("out", "png", "base")),
-        "date": time.strftime("%Y-%m-%d"),
-        "wall_s": round(time.time() - t_start, 1),
-        "sizes": {"steps": a.steps, "group_size": a.group_size, "prompts_per_step": a.prompts,
-                  "eval_size": a.eval_size, "learning_rate": a.lr, "engine": get_settings().engine},
-        "summary": summarise(results, tasks),
-        "results": results,
-    }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(out, indent=2))
-    plot(results, tasks, a.png)
     print(json.dumps(out["summary"], indent=2))
 
 

@@ -50,7 +50,7 @@ WORKLOAD_TASKS = {"compute": TASKS, "agentic": ("calc",)}
 def specs(n: int, steps: int, staleness: int, tag: str, workload: str = "compute") -> list[JobSpec]:
     tasks = WORKLOAD_TASKS[workload]
     return [JobSpec(tenant=f"{tag}{i}", task=tasks[i % len(tasks)], steps=steps, group_size=8, prompts_per_step=8,
-                    max_staleness=staleness, seed=i, eval_size=32) for i in range(n)]
+                    max_staleness=staleness, seed=i, eval_size=32, eval_k=0) for i in range(n)]
 
 
 def measure(store: Store, t0: float, t1: float) -> dict:
@@ -119,6 +119,11 @@ def row_for(n: int, steps: int, seq: dict, asy: dict, cores: int) -> dict:
     }
     row["fraction_of_ceiling"] = round(row["speedup"] / row["ceiling"]["ceiling_speedup"], 3)
     return row
+
+
+def save(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
 
 
 def run_trl(tenants: str, steps: int, base: Path) -> dict:
@@ -200,7 +205,7 @@ def main() -> None:
                    f"--workloads {a.workloads} --tool-latency-ms {a.tool_latency_ms}" + (" --trl" if a.trl else ""),
         "date": time.strftime("%Y-%m-%d"),
         "machine": {"cores": cores, "loadavg_before": [round(x, 2) for x in os.getloadavg()]},
-        "workload": {"group_size": 8, "prompts_per_step": 8, "max_new_tokens": 8, "eval_size": 32,
+        "workload": {"group_size": 8, "prompts_per_step": 8, "max_new_tokens": 8, "eval_size": 32, "eval_k": 0,
                      "steps": a.steps, "engine": get_settings().engine, "tool_latency_ms": a.tool_latency_ms,
                      "tasks": {w: list(WORKLOAD_TASKS[w]) for w in workloads}},
         "workloads": {},
@@ -218,6 +223,7 @@ def main() -> None:
                 seq = run_sequential(client, n, a.steps, wl)
                 asy = run_marlaas(client, n, a.steps, a.staleness, wl)
                 rows.append(row_for(n, a.steps, seq, asy, cores))
+                save(report, a.out)  # after every row, so an interrupted run keeps what it measured
                 r = rows[-1]
                 print(json.dumps({"workload": wl, "tenants": n, "speedup": r["speedup"],
                                   "ceiling_speedup": r["ceiling"]["ceiling_speedup"],
@@ -227,7 +233,11 @@ def main() -> None:
     finally:
         stack.stop()
     if a.trl and "compute" in report["workloads"]:
-        trl = run_trl(a.tenants, a.steps, base)
+        try:
+            trl = run_trl(a.tenants, a.steps, base)
+        except (subprocess.CalledProcessError, OSError, ValueError) as e:
+            print(f"TRL peer failed ({e}); is the bench extra installed? pip install -e '.[bench]'", file=sys.stderr)
+            trl = {"error": str(e), "rows": []}
         ours = {r["tenants"]: r for r in report["workloads"]["compute"]}
         for r in trl["rows"]:
             mine = ours[r["tenants"]]
@@ -236,10 +246,9 @@ def main() -> None:
             r.pop("jobs", None)
         report["trl"] = trl
     report["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(report, indent=1))
+    save(report, a.out)
     report["pngs"] = plot(report, a.png_prefix)
-    a.out.write_text(json.dumps(report, indent=1))
+    save(report, a.out)
     print("wrote", a.out, *report["pngs"])
 
 

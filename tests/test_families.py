@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 
@@ -169,6 +170,14 @@ def test_ensure_base_caches(tmp_path, monkeypatch):
     pretrain.ensure_base(target, "test", 0, progress=False)
     assert len(calls) == 2 and pretrain.is_current(target, "test", 0)
     assert not pretrain.is_current(target, "test", 1) and not pretrain.is_current(target, "default", 0)
+    # ... and so is one pretrained with another recipe (e.g. other family weights).
+    meta = json.loads((target / pretrain.META_FILE).read_text())
+    meta["recipe"] = {**json.loads(json.dumps(asdict(pretrain.RECIPES["test"]))), "steps": 1}
+    (target / pretrain.META_FILE).write_text(json.dumps(meta))
+    assert not pretrain.is_current(target, "test", 0)
+    meta["recipe"]["steps"] = pretrain.RECIPES["test"].steps
+    (target / pretrain.META_FILE).write_text(json.dumps(meta))
+    assert pretrain.is_current(target, "test", 0)
 
 
 def test_ensure_base_crash_leaves_nothing(tmp_path, monkeypatch):
