@@ -191,3 +191,15 @@ def test_eval_lookups_stop_where_the_batches_are_full(st, monkeypatch):
     full = scheduler.Snapshot(jobs=tuple(JobState(**{**j.__dict__, "need_eval": (0,)}) for j in snap.jobs),
                               gen_capacity=snap.gen_capacity, batch_rows=4, trainer_free=True)
     assert scheduler.plan(snap).gen_batches == scheduler.plan(full).gen_batches
+
+
+@pytest.mark.integration
+def test_tick_bench_publishes_through_celery(st):
+    """bench/tick.py --publish really sends the tick's messages to the broker's queues."""
+    from bench.tick import _publisher, measure_tick
+
+    sent: list = []
+    _publisher(st.url)("marlaas.verify", ["j1", "train", [0]], sent)
+    assert sent == ["marlaas.verify"] and st.r.llen("verify") == 1  # Celery's Redis queue is a list
+    out = measure_tick(10, st.url, repeats=2, case="steady", publish=True)
+    assert out["messages"] == "published through Celery" and out["messages_per_tick_median"] > 0
