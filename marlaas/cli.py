@@ -258,6 +258,29 @@ def report(
         console.print(f"report of {len(ids)} job(s): {page} (figure {png})")
 
 
+def _serve(make, host: str, port: int, not_served: str, ready) -> None:
+    """Run the HTTP server `make()` until stopped. A port in use is a one-line error, and the process
+    stays up without serving: under honcho one exiting process would stop the whole stack."""
+    import errno
+    import signal
+
+    try:
+        server = make()
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise MarlaasError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        err.print(f"error: {host}:{port} is in use; {not_served}", style="red", markup=False, highlight=False,
+                  soft_wrap=True)
+        while True:
+            signal.pause()
+    h, p = server.server_address[:2]
+    console.print(ready(h, p), markup=False, highlight=False)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+
+
 @app.command("metrics-server")
 def metrics_server(
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
@@ -265,27 +288,11 @@ def metrics_server(
     window: float = typer.Option(60.0, min=1.0, help="Seconds the station busy fractions cover."),
 ):
     """Serve Prometheus metrics at http://HOST:PORT/metrics (and /healthz) until stopped."""
-    import errno
-    import signal
-
     from marlaas.metrics import make_server
 
-    try:
-        server = make_server(host, port, window_s=window)
-    except OSError as e:
-        if e.errno != errno.EADDRINUSE:
-            raise MarlaasError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-        # Under honcho one exiting process stops the whole stack: stay up without serving.
-        err.print(f"error: {host}:{port} is in use; metrics are not served "
-                  "(set MARLAAS_METRICS_PORT or --port)", style="red", markup=False, highlight=False, soft_wrap=True)
-        while True:
-            signal.pause()
-    h, p = server.server_address[:2]
-    console.print(f"metrics at http://{h}:{p}/metrics", markup=False, highlight=False)
-    try:
-        server.serve_forever()
-    finally:
-        server.server_close()
+    _serve(lambda: make_server(host, port, window_s=window), host, port,
+           "metrics are not served (set MARLAAS_METRICS_PORT or --port)",
+           lambda h, p: f"metrics at http://{h}:{p}/metrics")
 
 
 @app.command("tool-server")
@@ -296,29 +303,13 @@ def tool_server(
                                      help="Per-call latency in ms, standing for a remote tool."),
 ):
     """Serve the calculator tool of tool tasks (POST /calc {"expr": ...}) until stopped."""
-    import errno
-    import signal
-
     from marlaas.tools import make_server
 
-    try:
-        server = make_server(host, port, latency_ms=latency_ms)
-    except OSError as e:
-        if e.errno != errno.EADDRINUSE:
-            raise MarlaasError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-        # Under honcho one exiting process stops the whole stack: stay up; tool calls then fail
-        # (episodes get error results) unless the process on that port is a calculator too.
-        err.print(f"error: {host}:{port} is in use; the calculator is not served here "
-                  "(set MARLAAS_TOOL_PORT and MARLAAS_TOOL_URL)", style="red", markup=False, highlight=False,
-                  soft_wrap=True)
-        while True:
-            signal.pause()
-    h, p = server.server_address[:2]
-    console.print(f"calculator tool at http://{h}:{p} ({latency_ms:g} ms per call)", markup=False, highlight=False)
-    try:
-        server.serve_forever()
-    finally:
-        server.server_close()
+    # Tool calls fail while another process holds the port (episodes get error results), unless
+    # that process is a calculator too.
+    _serve(lambda: make_server(host, port, latency_ms=latency_ms), host, port,
+           "the calculator is not served here (set MARLAAS_TOOL_PORT and MARLAAS_TOOL_URL)",
+           lambda h, p: f"calculator tool at http://{h}:{p} ({latency_ms:g} ms per call)")
 
 
 @tenant_app.command("add")
