@@ -143,8 +143,27 @@ def plot(results: dict, tasks: list[str], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def markdown_table(out: dict) -> str:
+    """The parity table of a results file: held-out greedy accuracy base -> final per task and setting."""
+    res, summ = out["results"], out["summary"]
+    names = list(res)
+    tasks = list(res[names[0]])
+    lines = ["| task | base | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for t in tasks:
+        cells = []
+        for n in names:
+            r = res[n].get(t)
+            cells.append("-" if r is None or r["final_acc"] is None else
+                         f"{100 * r['final_acc']:.1f} (max staleness {r['staleness_max']})")
+        lines.append(f"| {t} | {100 * res['sync'][t]['base_acc']:.1f} | " + " | ".join(cells) + " |")
+    diffs = ["-"] + [f"{summ[n]['mean_abs_diff_points']:.2f}" for n in names[1:] if n in summ]
+    lines.append("| mean abs. diff. to sync (points) | | " + " | ".join(diffs) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--table", type=Path, help="only print the markdown table of this results file")
     ap.add_argument("--tasks", default=",".join(sorted(families.FAMILIES)))
     ap.add_argument("--staleness", default="1,2,4")
     ap.add_argument("--steps", type=int, default=40)
@@ -158,6 +177,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("results/quality.json"))
     ap.add_argument("--png", type=Path, default=Path("results/quality.png"))
     a = ap.parse_args()
+    if a.table:
+        print(markdown_table(json.loads(a.table.read_text())))
+        return
     tasks = [t for t in a.tasks.split(",") if t]
     home = get_settings().home
     base = a.base or ensure_base(home / "base", preset="default", seed=0, progress=True)
