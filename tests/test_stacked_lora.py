@@ -48,7 +48,7 @@ def test_row_layout_hand_computed():
 
 
 def test_stacked_forward_equals_peft_per_row():
-    from marlaas.engines.stacked_lora import stacked_lora
+    from marlaas.engines.stacked_lora import base_only, stacked_lora
 
     peft, tok, names = _peft_with_adapters([4, 8, 16])
     rows = ["a2", "__base__", "a0", "a1", "a0", "a2", "a1", "__base__", "a2"]
@@ -56,17 +56,29 @@ def test_stacked_forward_equals_peft_per_row():
     enc = tok(prompts, return_tensors="pt", padding=True)
     with torch.inference_mode():
         ref = peft(**enc, adapter_names=rows).logits
-        with stacked_lora(peft, rows, "__base__"), peft.disable_adapter():
+        with stacked_lora(peft, rows, "__base__"):  # puts the LoRA layers in base-only mode itself
             got = peft(**enc).logits
         with peft.disable_adapter():
             base = peft(**enc).logits
+        with base_only(peft):
+            assert torch.equal(peft(**enc).logits, base)  # the cheap switch equals PEFT's
     assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
     # The adapters really change the output (so equality above is not base == base).
     assert (ref[0] - base[0]).abs().max() > 1e-3
     assert torch.allclose(ref[1], base[1], atol=1e-6)
-    # Hooks are gone after the context.
+    # No base rows and as many rows per adapter: the layout needs no zero row either way.
+    even = ["a0", "a1", "a2", "a1", "a2", "a0"]
+    enc2 = tok(prompts[:len(even)], return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        ref2 = peft(**enc2, adapter_names=even).logits
+        with stacked_lora(peft, even, "__base__"):
+            assert torch.allclose(peft(**enc2).logits, ref2, atol=1e-5)
+    # Hooks are gone after the context, and the adapters are enabled again.
     with torch.inference_mode(), peft.disable_adapter():
         assert torch.allclose(peft(**enc).logits, base)
+    with torch.inference_mode():
+        assert torch.allclose(peft(**enc, adapter_names=rows).logits, ref)
+        assert not any(m.disable_adapters for m in peft.modules() if hasattr(m, "lora_A"))
 
 
 def test_engine_stacked_and_peft_paths_agree(tmp_path):

@@ -6,7 +6,7 @@ One resident fp32 base wrapped in a PeftModel that holds up to `max_adapters` ad
 group's stop tokens act as extra EOS ids, but only EOS marks a completion `finished`):
 
 - every row on one adapter: `set_adapter` (PEFT's fast path);
-- every row on the base: `disable_adapter()`;
+- every row on the base: `stacked_lora.base_only` (PEFT's `disable_adapter()` without its grad bookkeeping);
 - mixed (default `mixed_path="stacked"`): every adapter of the batch in one pair of batched matmuls
   per LoRA layer (`marlaas.engines.stacked_lora`; figures in results/generation_engines.json);
 - mixed with `mixed_path="peft"` (or adapters the stacked path refuses, e.g. DoRA): PEFT's per-row
@@ -41,7 +41,7 @@ from marlaas.engines.generation import (
     stop_token_ids,
     validate_requests,
 )
-from marlaas.engines.stacked_lora import StackedLoRAUnsupported, stacked_lora
+from marlaas.engines.stacked_lora import StackedLoRAUnsupported, base_only, stacked_lora
 from marlaas.engines.types import AdapterRef, Completion, GenRequest, GenResult
 
 BASE = "__base__"
@@ -219,14 +219,14 @@ class HFEngine(GenerationEngine):
             if self.peft is None:
                 return self.model.generate(**kwargs)
             if distinct == {BASE}:
-                with self.peft.disable_adapter():
+                with base_only(self.peft):
                     return self.peft.generate(**kwargs)
             if len(distinct) == 1:
                 self.peft.set_adapter(row_adapters[0])
                 return self.peft.generate(**kwargs)
             if self.mixed_path == "stacked":
                 try:
-                    with stacked_lora(self.peft, row_adapters, BASE), self.peft.disable_adapter():
+                    with stacked_lora(self.peft, row_adapters, BASE):
                         return self.peft.generate(**kwargs)
                 except StackedLoRAUnsupported:
                     pass  # e.g. DoRA: PEFT's own per-row path below

@@ -18,9 +18,12 @@ Zero padding leaves each row's result exactly `x @ A^T @ B^T * scaling` of its o
 rank columns and padded rows contribute zeros), i.e. PEFT's LoRA forward without dropout. The flops
 equal one LoRA per row whatever U is; no per-row copy of any weight is made.
 
-Usage: inside `stacked_lora(peft_model, row_adapters, base_name)` run the PeftModel with its adapters
-DISABLED (`peft_model.disable_adapter()`): PEFT's layers then compute the base only, and forward
-hooks on each LoRA layer add the stacked delta. Hooks are removed on exit, also on error.
+Usage: run the PeftModel inside `stacked_lora(peft_model, row_adapters, base_name)`: its LoRA layers
+compute the base only (`base_only`) and forward hooks on each LoRA layer add the stacked delta; both
+are undone on exit, also on error. `base_only` flips each LoRA layer's disabled flag directly:
+PEFT's `disable_adapter()` also resets requires_grad on every registered adapter's weights, which
+cost 0.3 s per call with 32 adapters registered (profiled), a fixed cost that grew with the engine's
+adapter cache rather than the batch; generation needs no gradients.
 Unsupported (refused, so the caller falls back to PEFT): DoRA, non-Linear LoRA layers.
 """
 
@@ -81,7 +84,7 @@ def stack_weights(layer, names: list[str]):
     return A, B
 
 
-def _add_delta(layer, args, out, *, A, B, perm, inv, m):
+def _add_delta(layer, args, out, *, A, B, perm, inv, m, pad_in, pad_out):
     import torch
 
     x = args[0]
@@ -89,11 +92,32 @@ def _add_delta(layer, args, out, *, A, B, perm, inv, m):
     T = x[0].numel() // d_in
     U = A.shape[0]
     x3 = x.reshape(rows, T, d_in).to(A.dtype)
-    xp = torch.cat([x3, x3.new_zeros(1, T, d_in)])[perm]  # [U*m, T, in]
+    if pad_in:  # some adapter has fewer than m rows: its padding rows read a zero row
+        x3 = torch.cat([x3, x3.new_zeros(1, T, d_in)])
+    xp = x3.index_select(0, perm)  # [U*m, T, in]
     o = torch.bmm(torch.bmm(xp.view(U, m * T, d_in), A), B)  # [U, m*T, out]
     d_out = o.shape[-1]
-    o = torch.cat([o.view(U * m, T, d_out), o.new_zeros(1, T, d_out)])[inv]  # [rows, T, out]
-    return out + o.view(*out.shape).to(out.dtype)
+    o = o.view(U * m, T, d_out)
+    if pad_out:  # base rows take the zero row
+        o = torch.cat([o, o.new_zeros(1, T, d_out)])
+    return out + o.index_select(0, inv).view(*out.shape).to(out.dtype)  # [rows, T, out]
+
+
+@contextmanager
+def base_only(peft_model):
+    """Within this context every LoRA layer of `peft_model` computes its base layer only (PEFT's
+    `disable_adapters` state, set without touching requires_grad: for inference)."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
+    before = [m._disable_adapters for m in layers]
+    try:
+        for m in layers:
+            m._disable_adapters = True
+        yield
+    finally:
+        for m, b in zip(layers, before):
+            m._disable_adapters = b
 
 
 @contextmanager
@@ -105,6 +129,8 @@ def stacked_lora(peft_model, row_adapters: list[str], base_name: str):
 
     names = sorted(set(row_adapters) - {base_name})
     perm, inv, m = row_layout(row_adapters, names)
+    pad_in = bool((perm == len(row_adapters)).any())  # else no zero row is needed on the way in ...
+    pad_out = bool((inv == len(names) * m).any())  # ... or on the way out (no base rows)
     hooks = []
     plans = []
     for module in peft_model.modules():
@@ -112,8 +138,10 @@ def stacked_lora(peft_model, row_adapters: list[str], base_name: str):
             plans.append((module, *stack_weights(module, names)))
     try:
         for module, A, B in plans:
-            hooks.append(module.register_forward_hook(partial(_add_delta, A=A, B=B, perm=perm, inv=inv, m=m)))
-        yield
+            hooks.append(module.register_forward_hook(partial(_add_delta, A=A, B=B, perm=perm, inv=inv, m=m,
+                                                              pad_in=pad_in, pad_out=pad_out)))
+        with base_only(peft_model):
+            yield
     finally:
         for h in hooks:
             h.remove()
