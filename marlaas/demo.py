@@ -18,8 +18,9 @@ from rich.table import Table
 
 from marlaas.spec import JobSpec
 
-# Families in the order tenants get them, and steps that move each past its base in minutes.
-DEMO_TASKS = ("sort", "reverse", "max", "code", "min", "add")
+# Families in the order tenants get them (the first four: an exact-string task, the multi-turn tool
+# task, a math-verify task and the sandboxed code task), and steps that move each past its base in minutes.
+DEMO_TASKS = ("sort", "calc", "add", "code", "reverse", "max", "min")
 DEMO_STEPS = 40
 
 

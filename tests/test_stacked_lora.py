@@ -8,7 +8,7 @@ import torch
 pytestmark = pytest.mark.unit
 
 
-def _peft_with_adapters(ranks: list[int], seed: int = 0):
+def _peft_with_adapters(ranks: list[int], seed: int = 0, uniform: bool = False):
     from peft import LoraConfig, PeftModel
 
     from marlaas.basemodel import init_model
@@ -22,8 +22,9 @@ def _peft_with_adapters(ranks: list[int], seed: int = 0):
         name = f"a{k}"
         # Different ranks, alphas and target sets: the stacked path pads ranks and zero-fills layers
         # an adapter does not have.
-        targets = ["q_proj", "v_proj", "down_proj"] if k % 2 else "all-linear"
-        cfg = LoraConfig(r=r, lora_alpha=2.0 * r + k, target_modules=targets, lora_dropout=0.0)
+        # (`uniform`: one config for all, only the weights differ.)
+        targets = ["q_proj", "v_proj", "down_proj"] if k % 2 and not uniform else "all-linear"
+        cfg = LoraConfig(r=r, lora_alpha=2.0 * r + (0 if uniform else k), target_modules=targets, lora_dropout=0.0)
         if peft is None:
             peft = PeftModel(model, cfg, adapter_name=name)
         else:
@@ -102,3 +103,39 @@ def test_engine_stacked_and_peft_paths_agree(tmp_path):
         for ca, cb in zip(a.completions, b.completions):
             assert ca.token_ids == cb.token_ids
             assert max(abs(x - y) for x, y in zip(ca.logprobs, cb.logprobs)) < 1e-4
+
+
+def test_full_cache_reuses_a_slot_in_place(tmp_path):
+    """With the adapter cache full, a new version goes into the least recently used slot (no new PEFT
+    adapter); its outputs equal a fresh engine's, single-adapter and mixed, and the evicted one is gone."""
+    from marlaas.basemodel import init_model, save
+    from marlaas.engines.generation import blob_from_peft
+    from marlaas.engines.hf_engine import HFEngine
+    from marlaas.engines.types import AdapterRef, GenRequest
+
+    save(*init_model("test", seed=0), tmp_path / "base")
+    peft, tok, names = _peft_with_adapters([8, 8, 8], uniform=True)  # one LoRA shape: slots interchangeable
+    blobs = {AdapterRef("j", k + 1): blob_from_peft(peft, n) for k, n in enumerate(names)}
+    v1, v2, v3 = blobs
+
+    def reqs(refs):
+        return [GenRequest(key=str(i), prompt=f"rev:{i}{i + 2}{i + 4}=", adapter=ref, n=2, greedy=True,
+                           max_new_tokens=6) for i, ref in enumerate(refs)]
+
+    eng = HFEngine(tmp_path / "base", blobs.__getitem__, max_adapters=2)
+    eng.generate(reqs([v1, v2]))
+    slot_of_v1 = eng._cache[v1]
+    got_solo = eng.generate(reqs([v3]))  # the cache is full: v3 overwrites v1's slot
+    assert eng._cache[v3] == slot_of_v1 and not eng.serves(v1) and eng.serves(v2) and eng.serves(v3)
+    assert len(eng.peft.peft_config) == 2
+    got_mixed = eng.generate(reqs([v3, v2, None]))
+    fresh = HFEngine(tmp_path / "base", blobs.__getitem__, max_adapters=8)
+    for got, refs in ((got_solo, [v3]), (got_mixed, [v3, v2, None])):
+        want = fresh.generate(reqs(refs))
+        for a, b in zip(got, want):
+            for ca, cb in zip(a.completions, b.completions):
+                assert ca.token_ids == cb.token_ids
+                assert max(abs(x - y) for x, y in zip(ca.logprobs, cb.logprobs)) < 1e-5
+    # v3's outputs differ from v1's (so the equality above is not the old slot's weights).
+    v1_out = fresh.generate(reqs([v1]))[0].completions[0].logprobs
+    assert max(abs(x - y) for x, y in zip(v1_out, got_solo[0].completions[0].logprobs)) > 1e-4
