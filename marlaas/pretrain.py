@@ -386,6 +386,8 @@ def is_current(path, preset: str = "default", seed: int = 0) -> bool:
         meta = read_meta(path)
     except (OSError, ValueError):
         return False
+    if preset not in RECIPES:
+        return False
     if "recipe" in meta and meta["recipe"] != json.loads(json.dumps(asdict(RECIPES[preset]))):
         return False
     return (meta.get("preset") == preset and meta.get("seed") == seed

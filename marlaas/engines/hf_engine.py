@@ -2,9 +2,10 @@
 
 One resident fp32 base wrapped in a PeftModel that holds up to `max_adapters` adapter versions
 (LRU; once full, a new version of the same LoRA shape is written into the least recently used
-slot in place instead of PEFT's add/delete, whose cost grows with the adapters registered). Requests are grouped by (temperature, max_new_tokens, greedy, stop); each group is one
-`generate` call over all its rows (each request's prompt repeated `n` times, left-padded; the
-group's stop tokens act as extra EOS ids, but only EOS marks a completion `finished`):
+slot in place instead of PEFT's add/delete, whose cost grows with the adapters registered).
+Requests are grouped by (temperature, max_new_tokens, greedy, stop); each group is one `generate`
+call over all its rows (each request's prompt repeated `n` times, left-padded; the group's stop
+tokens act as extra EOS ids, but only EOS marks a completion `finished`):
 
 - every row on one adapter: the stacked path below with one adapter (PEFT's `set_adapter` walks
   every registered adapter: 0.15 s per call with 64 registered); `set_adapter` with
@@ -156,6 +157,7 @@ class HFEngine(GenerationEngine):
                 f"(unexpected {unexpected[:3]}, missing {missing[:3]})"
             )
         self.peft.eval()
+        self._lora_layers = None  # new targets may have added LoRA layers: found again when needed
         self._cache[ref] = name
         self._shape[name] = shape
         while len(self._cache) > self.max_adapters:
