@@ -166,6 +166,15 @@ class HFEngine(GenerationEngine):
             self._shape.pop(old, None)
         return name
 
+    def _layers(self) -> dict:
+        """Module path -> LoRA layer of the PeftModel, found once per set of targets (walking the
+        modules grows with the adapters registered)."""
+        if self._lora_layers is None:
+            from peft.tuners.lora import LoraLayer
+
+            self._lora_layers = {n: m for n, m in self.peft.named_modules() if isinstance(m, LoraLayer)}
+        return self._lora_layers
+
     def _overwrite(self, name: str, state: dict) -> bool:
         """Write an adapter's weights into the slot of registered adapter `name` (same LoRA config),
         in place: PEFT's add_adapter + set_peft_model_state_dict walk every module of the model,
@@ -173,15 +182,12 @@ class HFEngine(GenerationEngine):
         with 64, profiled), while this is one tensor copy per weight. False (nothing written) when
         a key is not a plain lora_A / lora_B weight of a LoRA layer (e.g. DoRA): the caller then
         loads the slow way."""
-        from peft.tuners.lora import LoraLayer
-
-        if self._lora_layers is None:
-            self._lora_layers = {n: m for n, m in self.peft.named_modules() if isinstance(m, LoraLayer)}
+        layers = self._layers()
         dests = []
         for key, tensor in state.items():
             prefix, _, leaf = key.rpartition(".")  # "<layer path>.lora_A" / "weight"
             path, _, kind = prefix.rpartition(".")
-            layer = self._lora_layers.get(path)
+            layer = layers.get(path)
             if leaf != "weight" or kind not in ("lora_A", "lora_B") or layer is None \
                     or name not in getattr(layer, kind):
                 return False
@@ -189,7 +195,7 @@ class HFEngine(GenerationEngine):
             if dest.shape != tensor.shape:
                 return False
             dests.append((dest, tensor))
-        if len(dests) != sum(2 for m in self._lora_layers.values() if name in m.lora_A):
+        if len(dests) != sum(2 for m in layers.values() if name in m.lora_A):
             return False  # not every weight of the slot would be replaced
         import torch
 
@@ -268,14 +274,14 @@ class HFEngine(GenerationEngine):
             if self.peft is None:
                 return self.model.generate(**kwargs)
             if distinct == {BASE}:
-                with base_only(self.peft):
+                with base_only(self.peft, list(self._layers().values())):
                     return self.peft.generate(**kwargs)
             if len(distinct) == 1 and self.mixed_path != "stacked":
                 self.peft.set_adapter(row_adapters[0])
                 return self.peft.generate(**kwargs)
             if self.mixed_path == "stacked":  # one adapter too: PEFT's set_adapter walks every registered adapter
                 try:
-                    with stacked_lora(self.peft, row_adapters, BASE):
+                    with stacked_lora(self.peft, row_adapters, BASE, list(self._layers().values())):
                         return self.peft.generate(**kwargs)
                 except StackedLoRAUnsupported:
                     pass  # e.g. DoRA: PEFT's own per-row path below

@@ -103,13 +103,19 @@ def _add_delta(layer, args, out, *, A, B, perm, inv, m, pad_in, pad_out):
     return out + o.index_select(0, inv).view(*out.shape).to(out.dtype)  # [rows, T, out]
 
 
-@contextmanager
-def base_only(peft_model):
-    """Within this context every LoRA layer of `peft_model` computes its base layer only (PEFT's
-    `disable_adapters` state, set without touching requires_grad: for inference)."""
+def lora_layers(peft_model) -> list:
+    """Every PEFT LoRA layer of `peft_model`."""
     from peft.tuners.lora import LoraLayer
 
-    layers = [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
+    return [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
+
+
+@contextmanager
+def base_only(peft_model, layers: list | None = None):
+    """Within this context every LoRA layer of `peft_model` computes its base layer only (PEFT's
+    `disable_adapters` state, set without touching requires_grad: for inference). `layers`: the
+    model's LoRA layers when the caller keeps them (walking the modules grows with the adapters)."""
+    layers = lora_layers(peft_model) if layers is None else layers
     before = [m._disable_adapters for m in layers]
     try:
         for m in layers:
@@ -121,26 +127,26 @@ def base_only(peft_model):
 
 
 @contextmanager
-def stacked_lora(peft_model, row_adapters: list[str], base_name: str):
+def stacked_lora(peft_model, row_adapters: list[str], base_name: str, layers: list | None = None):
     """Within this context, a forward of `peft_model` with its adapters disabled adds each row's own
     adapter (row i uses `row_adapters[i]`; `base_name` rows get none). Raises StackedLoRAUnsupported
-    before touching the model when the adapters use something this path does not implement."""
-    from peft.tuners.lora import LoraLayer
-
+    before touching the model when the adapters use something this path does not implement.
+    `layers`: as in `base_only`."""
     names = sorted(set(row_adapters) - {base_name})
     perm, inv, m = row_layout(row_adapters, names)
     pad_in = bool((perm == len(row_adapters)).any())  # else no zero row is needed on the way in ...
     pad_out = bool((inv == len(names) * m).any())  # ... or on the way out (no base rows)
     hooks = []
     plans = []
-    for module in peft_model.modules():
-        if isinstance(module, LoraLayer) and any(n in module.lora_A for n in names):
+    layers = lora_layers(peft_model) if layers is None else layers
+    for module in layers:
+        if any(n in module.lora_A for n in names):
             plans.append((module, *stack_weights(module, names)))
     try:
         for module, A, B in plans:
             hooks.append(module.register_forward_hook(partial(_add_delta, A=A, B=B, perm=perm, inv=inv, m=m,
                                                               pad_in=pad_in, pad_out=pad_out)))
-        with base_only(peft_model):
+        with base_only(peft_model, layers):
             yield
     finally:
         for h in hooks:
