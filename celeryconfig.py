@@ -22,9 +22,12 @@ task_acks_late = True
 task_reject_on_worker_lost = True
 worker_prefetch_multiplier = 1
 
-# Flower sees every task (workers also run with -E).
+# Flower sees every task from the moment a worker receives it (workers also run with -E). The
+# "sent" event per published message is off by default: it doubled the cost of every message the
+# scheduler tick sends (bench/tick.py); MARLAAS_SENT_EVENTS=1 turns it on (Flower then also lists
+# tasks still waiting in a queue; the queue lengths are on Flower's Broker page either way).
 worker_send_task_events = True
-task_send_sent_event = True
+task_send_sent_event = os.environ.get("MARLAAS_SENT_EVENTS", "0") == "1"
 
 task_default_queue = "control"
 task_routes = {

@@ -30,8 +30,9 @@ JSON and keeps the others (`before_paired`: the committed code re-measured right
 so the ratio compares runs under the same machine load); `tick_ms_1000_tenants` is the median at
 1,000 tenants of the newest `after*` block's `steady` case (a running service's every-second tick),
 `tick_ms_1000_tenants_all_leases_expired` its `expired` case (the recovery tick after every job lost
-its in-flight work at once). `--publish` sends the tick's messages through Celery to the broker
-(the service's transport settings) instead of only counting them, so their cost is in the figure.
+its in-flight work at once). `--publish` sends the tick's messages through the service's own sender
+(tasks.common.send: Celery with the service's transport settings, one pipelined batch per tick)
+instead of only counting them, so their cost is in the figure.
 Each block records the 1-minute load average and a CPU calibration.
 `measure_tick` FLUSHES the Redis database named by its URL: give it a scratch database.
 """
@@ -153,7 +154,7 @@ def _count_one_tick(st: Store) -> tuple[int, int]:
     before = int(st.r.info("stats")["total_commands_processed"])
     pool.get_connection = counting
     try:
-        dispatch.tick(st, lambda name, args: None)
+        dispatch.tick(st, lambda msgs: None)
     finally:
         pool.get_connection = orig
     after = int(st.r.info("stats")["total_commands_processed"])
@@ -161,21 +162,17 @@ def _count_one_tick(st: Store) -> tuple[int, int]:
 
 
 def _publisher(url: str):
-    """A `send` that publishes through Celery to the broker at `url`, with the service's transport
-    settings (celeryconfig: queues, sent events), as the control worker's tick does."""
-    from celery import Celery
+    """The service's own sender (tasks.common.send: the control worker's tick sends through it, with
+    the service's transport settings from celeryconfig), pointed at the broker at `url`."""
+    os.environ["MARLAAS_REDIS_URL"] = url
+    from marlaas.settings import get_settings
 
-    import celeryconfig
+    get_settings.cache_clear()
+    import tasks.common
 
-    app = Celery("marlaas-tick-bench")
-    app.config_from_object(celeryconfig)
-    app.conf.broker_url = url
-
-    def send(name: str, args: list, sent: list) -> None:
-        app.send_task(name, args=args)
-        sent.append(name)
-
-    return send
+    tasks.common.app.conf.broker_url = url
+    tasks.common.store.cache_clear()
+    return tasks.common.send
 
 
 def measure_tick(n_tenants: int, url: str, repeats: int = 50, case: str = "expired", publish: bool = False) -> dict:
@@ -206,19 +203,21 @@ def measure_tick(n_tenants: int, url: str, repeats: int = 50, case: str = "expir
     publisher = _publisher(url) if publish else None
     ticks, sent_n, trains = [], [], 0
     saved.restore(st, trainer_busy=False)
-    dispatch.tick(st, lambda name, args: None)  # scripts loaded
+    dispatch.tick(st, lambda msgs: None)  # scripts loaded
     saved.restore(st, trainer_busy=False)
     dispatch._VIEWS.pop(st.url, None)
     t = time.perf_counter()
-    dispatch.tick(st, lambda name, args: None)  # cold: every row decoded
+    dispatch.tick(st, lambda msgs: None)  # cold: every row decoded
     cold = time.perf_counter() - t
     dispatch.snapshot, scheduler.plan, dispatch.apply = timed("snapshot"), timed("plan"), timed("apply")
     try:
         for k in range(repeats):
             saved.restore(st, trainer_busy=bool(k % 2))
             sent: list = []
-            send = (lambda name, args, sent=sent: publisher(name, args, sent)) if publisher else \
-                (lambda name, args, sent=sent: sent.append(name))
+            def send(msgs, sent=sent):
+                sent.extend(msgs)
+                if publisher:
+                    publisher(msgs)
             t = time.perf_counter()
             plan = dispatch.tick(st, send)
             ticks.append(time.perf_counter() - t)

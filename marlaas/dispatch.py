@@ -1,8 +1,10 @@
 """The scheduler tick's impure half: read a Snapshot from the store, run the policy, carry it out.
 
 `tick(store, send)` is called by the Celery `marlaas.tick` task (every second from beat, and after
-every task completes). It holds the store's scheduler lock, so ticks never interleave. `send(name,
-args)` enqueues a Celery task; it is passed in because this library never imports celery.
+every task completes). It holds the store's scheduler lock, so ticks never interleave.
+`send(messages)` enqueues a tick's Celery tasks, a list of (task name, args), all at once (the
+service's sender pushes them to the broker in one pipelined round trip: tasks/common.py); it is
+passed in because this library never imports celery.
 Leases are written before messages are sent: a crash between the two leaves work that the lease
 expiry dispatches again, never work that is lost.
 
@@ -26,7 +28,7 @@ from marlaas import scheduler
 from marlaas.settings import get_settings
 from marlaas.store import Store, item_name, parse_item
 
-Send = Callable[[str, list], None]
+Send = Callable[[list[tuple[str, list]]], None]  # [(task name, args), ...] sent together
 ACTIVE_STATUSES = ("running", "evaluating")
 
 
@@ -200,8 +202,8 @@ def tick(store: Store, send: Send, now: float | None = None) -> scheduler.Plan |
 
 def apply(store: Store, plan: scheduler.Plan, send: Send, snap: scheduler.Snapshot) -> None:
     """Write every lease, in-flight batch, dispatch counter and the trainer lane in one atomic script
-    call (store.tick_write), then send the messages (a crash in between leaves leases that expire and
-    are dispatched again, and a trainer lease that expires)."""
+    call (store.tick_write), then send the messages in one call (a crash in between, or a send that
+    fails, leaves leases that expire and are dispatched again, and a trainer lease that expires)."""
     s = get_settings()
     batch_ids = [uuid.uuid4().hex[:12] for _ in plan.gen_batches]
     items = [it for batch in plan.gen_batches for it in batch]
@@ -213,9 +215,13 @@ def apply(store: Store, plan: scheduler.Plan, send: Send, snap: scheduler.Snapsh
         jid, t = plan.train
         train = (jid, t, next(j.weight for j in snap.jobs if j.id == jid), s.train_lease_s)
     token = store.tick_write(relet, new, s.lease_s, batch_ids, plan.dispatched, train)
-    for batch_id, batch in zip(batch_ids, plan.gen_batches):
-        send("marlaas.generate", [batch_id, [list(it) for it in batch]])
+    messages = [("marlaas.generate", [batch_id, [list(it) for it in batch]])
+                for batch_id, batch in zip(batch_ids, plan.gen_batches)]
+    verify: dict[tuple[str, str], list[int]] = {}  # one message per job and kind, as generate sends them
     for kind, jid, idx in plan.verify:
-        send("marlaas.verify", [jid, "train" if kind == "ver" else "eval", [idx]])
+        verify.setdefault((jid, "train" if kind == "ver" else "eval"), []).append(idx)
+    messages += [("marlaas.verify", [jid, kind, idxs]) for (jid, kind), idxs in verify.items()]
     if token is not None:
-        send("marlaas.train", [plan.train[0], plan.train[1], token])
+        messages.append(("marlaas.train", [plan.train[0], plan.train[1], token]))
+    if messages:
+        send(messages)

@@ -42,8 +42,7 @@ def generate(batch_id: str, items: list[list]) -> dict:
                         to_verify.update(stations.run_generate(store(), engine(), [it for it in items if it[1] == jid]))
                     except Exception as e:
                         stations.count_failure(store(), jid, "generate", e)
-        for (jid, kind), idxs in to_verify.items():
-            send("marlaas.verify", [jid, kind, idxs])
+        send([("marlaas.verify", [jid, kind, idxs]) for (jid, kind), idxs in to_verify.items()])
     finally:
         store().end_gen_batch(batch_id)
         kick()

@@ -57,7 +57,7 @@ def test_weights_are_respected_when_the_trainer_is_contended(st):
                 att = st.put_rollout(j, t, t, {"row": {}, "completions": []})
                 st.accept_rewards(j, t, att, {"rewards": [1.0, 0.0]})
         sent = []
-        plan = dispatch.tick(st, lambda name, args, sent=sent: sent.append((name, args)))
+        plan = dispatch.tick(st, sent.extend)
         jid, t = plan.train
         token = next(a[2] for n, a in sent if n == "marlaas.train")
         assert st.publish(jid, t, AdapterBlob({}, b""), b"", {"step": t + 1}, token, [t], 500)

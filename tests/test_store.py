@@ -58,7 +58,7 @@ def test_rewards_accepted_only_for_current_attempt(st):
 def test_tick_dispatches_within_admission_then_waits(st):
     jid, spec = make_job(st)
     sent = []
-    plan = dispatch.tick(st, lambda name, args: sent.append((name, args)))
+    plan = dispatch.tick(st, sent.extend)
     gen = [a for n, a in sent if n == "marlaas.generate"]
     items = [tuple(it) for _, batch in gen for it in batch]
     # S=1, P=2 -> groups 0..3 plus the base evaluation
@@ -67,25 +67,25 @@ def test_tick_dispatches_within_admission_then_waits(st):
     assert st.job(jid).dispatched == 4
     assert plan.train is None
     sent.clear()
-    dispatch.tick(st, lambda name, args: sent.append((name, args)))
+    dispatch.tick(st, sent.extend)
     assert [n for n, _ in sent if n == "marlaas.generate"] == []  # admission reached, nothing new
     # leases expire -> the same work is dispatched again
     sent.clear()
     for b in list(st.r.zrange("m:gen:inflight", 0, -1)):
         st.end_gen_batch(b.decode())
-    dispatch.tick(st, lambda name, args: sent.append((name, args)), now=time.time() + 10_000)
+    dispatch.tick(st, sent.extend, now=time.time() + 10_000)
     again = sorted(tuple(it) for n, a in sent if n == "marlaas.generate" for it in a[1])
     assert [it for it in again if it[0] == "gen"] == [("gen", jid, g) for g in range(4)]
 
 
 def test_tick_gives_trainer_to_ready_job(st):
     jid, spec = make_job(st)
-    dispatch.tick(st, lambda *a: None)
+    dispatch.tick(st, lambda msgs: None)
     for g in (0, 1):
         att = st.put_rollout(jid, g, 0, {"row": {}, "completions": []})
         st.accept_rewards(jid, g, att, {"rewards": [1.0]})
     sent = []
-    plan = dispatch.tick(st, lambda name, args: sent.append((name, args)))
+    plan = dispatch.tick(st, sent.extend)
     assert plan.train == (jid, 0)
     assert [a[:2] for n, a in sent if n == "marlaas.train"] == [[jid, 0]]
     assert st.trainer_lease()["job"] == jid
@@ -98,9 +98,9 @@ def test_lease_of_a_dead_trainer_is_broken_at_once(st):
     assert st.trainer_lease()["worker"] == "train@ghost:1"
     assert st.r.pttl("m:trainer:lease") > 290_000  # claiming keeps the TTL
     st.heartbeat("train@alive:2", "train")
-    dispatch.tick(st, lambda *a: None)
+    dispatch.tick(st, lambda msgs: None)
     assert st.trainer_lease() is None  # no heartbeat from train@ghost:1
     tok = st.take_trainer(jid, 0, 300)
     st.claim_trainer(tok, "train@alive:2")
-    dispatch.tick(st, lambda *a: None)
+    dispatch.tick(st, lambda msgs: None)
     assert st.trainer_lease()["token"] == tok  # a live worker keeps its lease

@@ -1,6 +1,7 @@
 """The fast tick: lazy interleaving equals the full sort, the workers registry keeps TTL semantics,
 the per-job lease index drops exactly a job's leases, and the scripted snapshot reads the truth."""
 
+import json
 import random
 import time
 
@@ -194,12 +195,37 @@ def test_eval_lookups_stop_where_the_batches_are_full(st, monkeypatch):
 
 
 @pytest.mark.integration
-def test_tick_bench_publishes_through_celery(st):
-    """bench/tick.py --publish really sends the tick's messages to the broker's queues."""
+def test_tick_bench_publishes_through_celery(st, monkeypatch):
+    """bench/tick.py --publish sends the tick's messages through the service's sender, which
+    really puts them, in one batch, on the broker's queues."""
     from bench.tick import _publisher, measure_tick
+    from marlaas.settings import get_settings
 
+    monkeypatch.setenv("MARLAAS_REDIS_URL", st.url)  # _publisher points the sender at the scratch DB
+    try:
+        send = _publisher(st.url)
+        send([("marlaas.verify", ["j1", "train", [0, 1]]), ("marlaas.generate", ["b1", [["gen", "j1", 2]]]),
+              ("marlaas.verify", ["j2", "eval", [3]])])
+        assert (st.r.llen("verify"), st.r.llen("generate")) == (2, 1)  # Celery's Redis queues are lists
+        body = json.loads(st.r.lindex("generate", 0))
+        assert body["headers"]["task"] == "marlaas.generate" and "batch=b1" in body["headers"]["argsrepr"]
+        out = measure_tick(10, st.url, repeats=2, case="steady", publish=True)
+        assert out["messages"] == "published through Celery" and out["messages_per_tick_median"] > 0
+    finally:
+        monkeypatch.undo()
+        get_settings.cache_clear()
+
+
+@pytest.mark.integration
+def test_expired_verifications_go_out_one_message_per_job(st):
+    """The recovery tick re-sends a job's lost verifications as one verify message (the task takes a
+    list), not one message per group: 4 expired groups of one job -> 1 message with 4 indices."""
+    from bench.tick import WORKERS, build
+
+    build(st, 5, time.time(), case="expired")  # the third job ("expired" kind) lost verify 12..15
+    for name, station in WORKERS:
+        st.heartbeat(name, station, ttl=60)
     sent: list = []
-    _publisher(st.url)("marlaas.verify", ["j1", "train", [0]], sent)
-    assert sent == ["marlaas.verify"] and st.r.llen("verify") == 1  # Celery's Redis queue is a list
-    out = measure_tick(10, st.url, repeats=2, case="steady", publish=True)
-    assert out["messages"] == "published through Celery" and out["messages_per_tick_median"] > 0
+    dispatch.tick(st, sent.extend)
+    verify = [a for n, a in sent if n == "marlaas.verify"]
+    assert len(verify) == 1 and verify[0][1] == "train" and sorted(verify[0][2]) == [12, 13, 14, 15]
