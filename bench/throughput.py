@@ -19,6 +19,8 @@ smaller than the sequential run's), so
     ceiling_speedup    = sequential_makespan / ceiling_makespan(marlaas run)
     fraction_of_ceiling = speedup / ceiling_speedup = ceiling_makespan(marlaas) / marlaas_makespan
 and `makespan_over_busiest` = marlaas makespan / its busiest station's busy time (target <= 1.15).
+`train_busy_steady` is the trainer's busy fraction in the steady state (marlaas.timeline.steady_window:
+from the first train step to the end of the first job's last step, while every tenant still feeds it).
 The arithmetic is written into the JSON. With `--trl`, `bench/trl_peer.py` runs TRL's GRPOTrainer on
 the same compute-only jobs one after another (in a subprocess, after the stack is stopped) and the
 JSON gains its makespans and our speedup over it. PNGs: the station timeline (Gantt) of the marlaas
@@ -41,7 +43,7 @@ from marlaas.pretrain import ensure_base
 from marlaas.settings import get_settings
 from marlaas.spec import JobSpec
 from marlaas.store import Store
-from marlaas.timeline import STATIONS, busy_fractions, idle_gaps, union_length
+from marlaas.timeline import STATIONS, busy_fractions, idle_gaps, steady_busy, steady_window, union_length
 
 TASKS = ("sort", "reverse", "max", "code", "min", "add")
 WORKLOAD_TASKS = {"compute": TASKS, "agentic": ("calc",)}
@@ -57,12 +59,17 @@ def measure(store: Store, t0: float, t1: float) -> dict:
     ev = store.events(since=t0)
     busy_s = {s: round(union_length([(e["start"], e["end"]) for e in ev if e["station"] == s], t0, t1), 2)
               for s in STATIONS}
+    ev = [e for e in ev if t0 <= e["start"] <= t1]
     gaps = idle_gaps(ev, "train", t0, t1)
+    window = steady_window(ev, "train")
     return {"makespan_s": round(t1 - t0, 2), "busy_s": busy_s, "busy_fraction": busy_fractions(ev, t0, t1),
+            "train_busy_steady": steady_busy(ev, "train"),
+            "train_steady_window_s": [round(w - t0, 2) for w in window] if window else None,
             "train_idle_gaps": {"count": len(gaps), "total_s": round(sum(gaps), 2),
-                                "max_s": round(max(gaps, default=0.0), 3)},
+                                "max_s": round(max(gaps, default=0.0), 3),
+                                "median_s": round(sorted(gaps)[len(gaps) // 2], 4) if gaps else 0.0},
             "events": [{k: e[k] for k in ("station", "start", "end")} | {"jobs": e.get("jobs", [])}
-                       for e in ev if t0 <= e["start"] <= t1]}
+                       for e in ev]}
 
 
 def run_sequential(client: Client, n: int, steps: int, workload: str) -> dict:
@@ -229,7 +236,8 @@ def main() -> None:
                                   "ceiling_speedup": r["ceiling"]["ceiling_speedup"],
                                   "fraction_of_ceiling": r["fraction_of_ceiling"],
                                   "makespans": (seq["makespan_s"], asy["makespan_s"]),
-                                  "busy_fraction_marlaas": asy["busy_fraction"]}), flush=True)
+                                  "busy_fraction_marlaas": asy["busy_fraction"],
+                                  "train_busy_steady": asy["train_busy_steady"]}), flush=True)
     finally:
         stack.stop()
     if a.trl and "compute" in report["workloads"]:

@@ -64,3 +64,29 @@ def idle_gaps(events: list[dict], station: str, lo: float, hi: float) -> list[fl
                                                              if e["station"] == station])]
     merged = [(s, e) for s, e in merged if e > s]
     return [round(b[0] - a[1], 4) for a, b in zip(merged, merged[1:]) if b[0] > a[1]]
+
+
+def steady_window(events: list[dict], station: str = "train") -> tuple[float, float] | None:
+    """The steady state of a multi-job run, for `station`: from its first task's start to the end of
+    the first job's last task there (after that fewer jobs are left to feed it); None if the
+    station ran nothing. The ramp-up before the first task (nothing to train before the first
+    groups are generated and verified) and the tail where jobs finish one by one are left out."""
+    ev = [e for e in events if e["station"] == station]
+    if not ev:
+        return None
+    last_per_job: dict[str, float] = {}
+    for e in ev:
+        for j in e.get("jobs", []):
+            last_per_job[j] = max(last_per_job.get(j, e["end"]), e["end"])
+    lo = min(e["start"] for e in ev)
+    hi = min(last_per_job.values()) if last_per_job else max(e["end"] for e in ev)
+    return lo, hi
+
+
+def steady_busy(events: list[dict], station: str = "train") -> float | None:
+    """`station`'s busy fraction over its steady_window (None when the window is empty)."""
+    w = steady_window(events, station)
+    if w is None or w[1] <= w[0]:
+        return None
+    return round(union_length([(e["start"], e["end"]) for e in events if e["station"] == station], *w)
+                 / (w[1] - w[0]), 4)

@@ -1,6 +1,6 @@
 import pytest
 
-from marlaas.timeline import busy_fractions, idle_gaps, overlap_fraction, union_length
+from marlaas.timeline import busy_fractions, idle_gaps, overlap_fraction, steady_busy, steady_window, union_length
 
 pytestmark = pytest.mark.unit
 
@@ -37,3 +37,16 @@ def test_idle_gaps_hand_values():
     assert idle_gaps(ev, "train", 0, 10) == [1.0, 2.5]
     assert idle_gaps(ev, "train", 0, 6) == [1.0]  # clipped window
     assert idle_gaps(ev, "verify", 0, 10) == []
+
+
+def test_steady_window_runs_from_the_first_step_to_the_first_job_done():
+    ev = [
+        {"station": "generate", "start": 0.0, "end": 2.0, "jobs": ["a", "b"]},
+        {"station": "train", "start": 2.0, "end": 3.0, "jobs": ["a"]},
+        {"station": "train", "start": 3.5, "end": 4.5, "jobs": ["b"]},  # 0.5 s gap
+        {"station": "train", "start": 4.5, "end": 6.0, "jobs": ["a"]},  # a is done at 6.0
+        {"station": "train", "start": 9.0, "end": 10.0, "jobs": ["b"]},  # the tail: only b left
+    ]
+    assert steady_window(ev) == (2.0, 6.0)
+    assert steady_busy(ev) == 0.875  # busy 1 + 1 + 1.5 = 3.5 of 4 s
+    assert steady_window(ev, "verify") is None and steady_busy(ev, "verify") is None
