@@ -183,7 +183,7 @@ class Job:
                     return st
                 if deadline is not None and time.time() > deadline:
                     raise MarlaasError(f"job {self.id} still {st['status']} after {timeout:.0f} s")
-                time.sleep(poll)
+                self.store.wait_end(self.id, poll)  # returns as soon as the job ends
         finally:
             if bar is not None:
                 bar.close()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 Item = tuple[str, str, int]  # (kind, job id, group index or version)
@@ -138,11 +138,16 @@ def _interleave(jobs: tuple[JobState, ...]) -> list[Item]:
     return list(_interleave_iter(jobs))
 
 
+def _next_step_limit(j: JobState) -> int:
+    """Groups the job's next step trains on, all of them: [0, (version + 1) P)."""
+    return min((j.version + 1) * j.groups_per_step, j.steps * j.groups_per_step)
+
+
 def _interleave_iter(jobs: tuple[JobState, ...]):
     """`_interleave` lazily: a heap holds each admissible job's next key, so taking m items costs
     O(J log J + m log J) instead of materialising and sorting every admissible group of every job."""
     def urgency(j: JobState):
-        blocked = j.dispatched < (j.version + 1) * j.groups_per_step  # its next step lacks groups
+        blocked = j.dispatched < _next_step_limit(j)  # its next step lacks groups
         return (0 if blocked else 1, j.pass_value, _id_key(j.id))
 
     open_jobs = [(j, admission_limit(j.version, j.staleness, j.groups_per_step, j.steps)) for j in jobs]
@@ -159,6 +164,24 @@ def _interleave_iter(jobs: tuple[JobState, ...]):
             heapq.heappop(heap)
 
 
+def _groups_in_order(jobs: tuple[JobState, ...], evals: list[Item]):
+    """The groups the jobs' next steps still lack, job by job in the order the trainer takes them
+    (choose_trainer's: lowest pass, then id), so that each batch completes whole steps; then
+    `evals`; then the other admissible groups interleaved across jobs by weight (starting where the
+    first pass stopped for each job)."""
+    taken: dict[str, int] = {}
+    for j in sorted((j for j in jobs if j.dispatched < _next_step_limit(j)),
+                    key=lambda j: (j.pass_value, _id_key(j.id))):
+        for g in range(j.dispatched, min(_next_step_limit(j),
+                                         admission_limit(j.version, j.staleness, j.groups_per_step, j.steps))):
+            taken[j.id] = g + 1
+            yield ("gen", j.id, g)
+    yield from evals
+    if taken:
+        jobs = tuple(replace(j, dispatched=taken[j.id]) if j.id in taken else j for j in jobs)
+    yield from _interleave_iter(jobs)
+
+
 def _rows(item: Item, by_id: dict[str, JobState]) -> int:
     j = by_id[item[1]]
     return j.eval_rows if item[0] == "eval" else j.group_size
@@ -171,13 +194,14 @@ def plan(s: Snapshot) -> Plan:
     expired = [it for it in s.expired if it[1] in by_id]
     out.verify = [it for it in expired if it[0] in ("ver", "evalver")]
 
-    # Work for the generate station, in priority order: lost work first, then evaluations, then new
-    # groups interleaved across jobs (one group per job per round) so that a batch mixes tenants.
-    # "cont" items (a tool episode's next model turn) arrive as leases due at once (deadline 0).
+    # Work for the generate station, in priority order: lost work first, then the groups each job's
+    # next train step still lacks (the trainer waits on them), then evaluations, then the other
+    # admissible groups; groups interleaved across jobs (one group per job per round) so that a batch
+    # mixes tenants. "cont" items (a tool episode's next model turn) arrive as leases due at once.
     first = [it for it in expired if it[0] in ("gen", "cont", "eval")]
     expired_evals = {(it[1], it[2]) for it in first if it[0] == "eval"}
     evals = [("eval", j.id, v) for j in s.jobs for v in j.need_eval if (j.id, v) not in expired_evals]
-    todo = itertools.chain(first, evals, _interleave_iter(s.jobs))  # lazy: read only what fits
+    todo = itertools.chain(first, _groups_in_order(s.jobs, evals))  # lazy: read only what fits
 
     free = max(0, s.gen_capacity - s.gen_inflight)
     it = next(todo, None) if free else None

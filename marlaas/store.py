@@ -30,6 +30,10 @@ Key schema (prefix `m:`):
   m:tenants                     hash tenant -> JSON {token_sha256, quotas}  (empty = single-user mode)
   m:tokens                      hash sha256(token) -> tenant
   m:sched:lock / m:sched:kick   scheduler mutex / pending-kick flag
+  m:sched:wake                  list (at most one element): a new job asks the control worker for a
+                                tick now instead of at the next beat (workers/control.py waits on it)
+  m:job:{id}:end                list holding the job's terminal status once it ends (1 h TTL):
+                                Job.wait blocks on it instead of polling
   m:sched:vt                    virtual time of the weighted round-robin
   m:sched:jobs                  hash active job -> its status, version, dispatched, pass, created
                                 (tab-separated): the scheduling table, re-derived by every write of
@@ -77,6 +81,7 @@ from marlaas.store_keys import (  # noqa: F401  (re-exported: the store layer's 
     TOKENS,
     TRAINER,
     VT,
+    WAKE,
     WORKERS,
     P,
     adapter_key,
@@ -84,6 +89,7 @@ from marlaas.store_keys import (  # noqa: F401  (re-exported: the store layer's 
     eval_key,
     evals_key,
     item_name,
+    job_end_key,
     job_key,
     lease_index_key,
     metrics_key,
@@ -264,6 +270,8 @@ class Store(TickOps):
         p.zadd(ALL, {jid: now})
         p.sadd(tenant_key(spec.tenant), jid)
         self.sync_rows([jid], pipe=p)  # the scheduling table (store_tick.py)
+        p.lpush(WAKE, jid)  # the control worker ticks now (a new job waits for no beat)
+        p.ltrim(WAKE, 0, 0)
         p.execute()
         return jid
 
@@ -311,8 +319,26 @@ class Store(TickOps):
         if status in ("done", "cancelled", "failed"):
             p.srem(ACTIVE, jid)
             self.drop_job_leases(jid, pipe=p)
+            p.lpush(job_end_key(jid), status)  # wakes Job.wait (wait_end)
+            p.expire(job_end_key(jid), 3600)
         self.sync_rows([jid], pipe=p)  # the scheduling table (store_tick.py)
         p.execute()
+
+    def wait_end(self, jid: str, timeout: float) -> str | None:
+        """Block up to `timeout` s for the job's terminal status (set_status announces it); None if
+        it has not ended. The marker is put back, so every waiter sees it."""
+        got = self.r.blpop([job_end_key(jid)], timeout=max(timeout, 0.01))
+        if got is None:
+            return None
+        p = self.r.pipeline()
+        p.lpush(job_end_key(jid), got[1])
+        p.expire(job_end_key(jid), 3600)
+        p.execute()
+        return got[1].decode()
+
+    def wait_wake(self, timeout: float) -> bool:
+        """Block up to `timeout` s for a new job's wake-up call (create_job); True if one came."""
+        return self.r.blpop([WAKE], timeout=max(timeout, 0.01)) is not None
 
     def incr_field(self, jid: str, name: str, by: int = 1) -> int:
         return int(self.r.hincrby(job_key(jid), name, by))

@@ -15,6 +15,7 @@ TRAINER = P + "trainer:lease"
 EVENTS = P + "events"
 LOCK = P + "sched:lock"
 KICK = P + "sched:kick"
+WAKE = P + "sched:wake"
 VT = P + "sched:vt"
 SCHED_JOBS = P + "sched:jobs"
 SCHED_CHANGES = P + "sched:changes"
@@ -64,6 +65,10 @@ def optim_key(j: str) -> str:
 
 def tenant_key(t: str) -> str:
     return f"{P}tenant:{t}:jobs"
+
+
+def job_end_key(j: str) -> str:
+    return f"{P}job:{j}:end"
 
 
 def lease_index_key(j: str) -> str:

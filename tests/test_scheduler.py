@@ -44,8 +44,10 @@ def test_plan_dispatches_up_to_admission_and_interleaves_jobs():
     p = plan(s)
     assert len(p.gen_batches) == 1
     batch = p.gen_batches[0]
-    # S=1, P=4: 8 groups each; interleaved j1, j2, j1, j2, ...
-    assert [it[1] for it in batch[:4]] == ["j1", "j2", "j1", "j2"]
+    # S=1, P=4: 8 groups each; first step 0's groups job by job in trainer order (j1 then j2: equal
+    # pass, lower id first), then step 1's interleaved j1, j2, j1, j2, ...
+    assert [it[1] for it in batch[:8]] == ["j1"] * 4 + ["j2"] * 4
+    assert [it[1] for it in batch[8:12]] == ["j1", "j2", "j1", "j2"]
     assert Counter(it[1] for it in batch) == {"j1": 8, "j2": 8}
     assert p.dispatched == {"j1": 8, "j2": 8}
 
@@ -97,9 +99,20 @@ def test_trainer_only_for_ready_and_free():
 def test_eval_items_are_dispatched_with_their_rows():
     s = Snapshot(jobs=(job("j1", staleness=0, need_eval=(0,), eval_rows=64),), batch_rows=79)
     p = plan(s)
-    assert p.gen_batches[0][0] == ("eval", "j1", 0)
-    assert p.gen_batches[0][1] == ("gen", "j1", 0)  # 64 + 8 + 8 > 79: one group fits
-    assert len(p.gen_batches[0]) == 2
+    # step 0's four groups (32 rows) first; 32 + 64 > 79: the evaluation opens the second batch
+    assert p.gen_batches == [[("gen", "j1", g) for g in range(4)], [("eval", "j1", 0)]]
+
+
+def test_next_steps_groups_then_evaluations_then_the_rest():
+    """The groups the trainer waits on go first, job by job in the order the trainer takes them
+    (lowest pass first), then evaluations, then the groups further ahead (interleaved by weight)."""
+    jobs = (job("j1", groups_per_step=2, need_eval=(0,), eval_rows=4, pass_value=1.0),
+            job("j2", groups_per_step=2, dispatched=1, need_eval=(0,), eval_rows=4))
+    p = plan(Snapshot(jobs=jobs, gen_capacity=1, batch_rows=1000))
+    assert p.gen_batches == [[("gen", "j2", 1), ("gen", "j1", 0), ("gen", "j1", 1),
+                              ("eval", "j1", 0), ("eval", "j2", 0),
+                              ("gen", "j2", 2), ("gen", "j1", 2), ("gen", "j2", 3), ("gen", "j1", 3)]]  # ties: pass
+    assert p.dispatched == {"j1": 4, "j2": 4}
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 2, 4])
@@ -147,7 +160,9 @@ def test_simulated_asynchrony_never_breaks_staleness(staleness):
 
 def test_generation_share_follows_weights():
     s = Snapshot(jobs=(job("j1", weight=1.0, staleness=4), job("j2", weight=3.0, staleness=4)),
-                 gen_capacity=1, batch_rows=8 * 8)
+                 gen_capacity=1, batch_rows=16 * 8)
     batch = plan(s).gen_batches[0]
-    # keys: j1 -> 1, 2, 3, ... ; j2 -> 1/3, 2/3, 1, 4/3, ... : 8 groups = 6 of j2 and 2 of j1
-    assert Counter(it[1] for it in batch) == {"j2": 6, "j1": 2}
+    # first each job's next step (4 groups each), then the groups ahead by weight:
+    # keys j1 -> 1, 2, 3, ... ; j2 -> 1/3, 2/3, 1, 4/3, ... : 8 more groups = 6 of j2 and 2 of j1
+    assert Counter(it[1] for it in batch[:8]) == {"j2": 4, "j1": 4}
+    assert Counter(it[1] for it in batch[8:]) == {"j2": 6, "j1": 2}

@@ -130,3 +130,15 @@ def test_trainer_takes_its_next_step_from_a_tick_of_its_own(st, monkeypatch):
     lock = st.acquire_lock()
     assert tt.next_step() is None and kicks == [1] and st.trainer_lease() is None
     st.release_lock(lock)
+
+
+def test_new_job_wakes_the_scheduler_and_an_ended_job_wakes_its_waiters(st):
+    jid, _ = make_job(st)
+    make_job(st)
+    assert st.wait_wake(0.05) is True  # two submissions, one wake-up call pending (the list holds one)
+    assert st.wait_wake(0.05) is False
+    assert st.wait_end(jid, 0.05) is None  # still running: returns after the timeout
+    st.set_status(jid, "cancelled")
+    assert st.wait_end(jid, 0.05) == "cancelled"
+    assert st.wait_end(jid, 0.05) == "cancelled"  # the marker stays for every waiter
+    assert 0 < st.r.ttl(f"m:job:{jid}:end") <= 3600

@@ -4,6 +4,7 @@ the per-job lease index drops exactly a job's leases, and the scripted snapshot 
 import json
 import random
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -54,9 +55,14 @@ def test_plan_fills_batches_from_the_lazy_stream_in_order():
     b = JobState(id="j2", version=0, steps=4, staleness=1, groups_per_step=2, group_size=4, dispatched=0,
                  weight=2.0)
     plan = scheduler.plan(scheduler.Snapshot(jobs=(a, b), gen_capacity=2, batch_rows=8, trainer_free=False))
-    # keys: j1 -> 1, 2, 3, 4 ; j2 (w=2) -> .5, 1, 1.5, 2 ; ties go to the lower rank (j1 by id)
-    assert plan.gen_batches == [[("gen", "j2", 0), ("gen", "j1", 0)], [("gen", "j2", 1), ("gen", "j2", 2)]]
-    assert plan.dispatched == {"j1": 1, "j2": 3}
+    # step 0's groups first, job by job in trainer order (equal pass: j1 by id), 2 groups a batch;
+    # the groups ahead (step 1's, interleaved by weight) would come next but the 2 batches are full
+    assert plan.gen_batches == [[("gen", "j1", 0), ("gen", "j1", 1)], [("gen", "j2", 0), ("gen", "j2", 1)]]
+    assert plan.dispatched == {"j1": 2, "j2": 2}
+    # once both are past step 0: keys j1 -> 1, 2, 3 ; j2 (w=2) -> .5, 1, 1.5 ; ties: lower rank (j1)
+    ahead = scheduler.plan(scheduler.Snapshot(jobs=(replace(a, dispatched=2), replace(b, dispatched=2)),
+                                              gen_capacity=2, batch_rows=8, trainer_free=False))
+    assert ahead.gen_batches == [[("gen", "j2", 2), ("gen", "j1", 2)], [("gen", "j2", 3), ("gen", "j1", 3)]]
 
 
 @pytest.mark.integration
