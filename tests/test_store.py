@@ -106,10 +106,10 @@ def test_lease_of_a_dead_trainer_is_broken_at_once(st):
     assert st.trainer_lease()["token"] == tok  # a live worker keeps its lease
 
 
-def test_trainer_takes_its_next_step_from_a_tick_of_its_own(st, monkeypatch):
-    """After a step the train task runs the tick itself: the step it gives out is held back from the
-    train queue (run at once in the same task), the tick's other messages go out as usual; when
-    another tick holds the lock nothing is decided here and a tick is kicked instead."""
+def test_trainer_ticks_after_its_step_itself(st, monkeypatch):
+    """After a step the train task runs the tick in its own process: the next step's train message
+    is sent from there (no kicked tick on the control worker in between); when another tick holds
+    the lock, a tick is kicked instead."""
     import tasks.train as tt
 
     jid, _ = make_job(st)
@@ -117,18 +117,20 @@ def test_trainer_takes_its_next_step_from_a_tick_of_its_own(st, monkeypatch):
     monkeypatch.setattr(tt, "store", lambda: st)
     monkeypatch.setattr(tt, "send", sent.extend)
     monkeypatch.setattr(tt, "kick", lambda: kicks.append(1))
-    assert tt.next_step() is None  # nothing ready to train: the tick only dispatched generation
-    assert any(n == "marlaas.generate" for n, _ in sent) and not kicks
+    tt.tick_here()
+    assert any(n == "marlaas.generate" for n, _ in sent) and not kicks  # it ticked: generation sent
     for g in (0, 1):
         att = st.put_rollout(jid, g, 0, {"row": {}, "completions": []})
         st.accept_rewards(jid, g, att, {"rewards": [1.0]})
     sent.clear()
-    nxt = tt.next_step()
-    assert nxt is not None and nxt[:2] == (jid, 0) and st.trainer_lease()["token"] == nxt[2]
-    assert all(n != "marlaas.train" for n, _ in sent)
-    st.release_trainer(nxt[2])
+    tt.tick_here()
+    train = [a for n, a in sent if n == "marlaas.train"]
+    assert [a[:2] for a in train] == [[jid, 0]] and st.trainer_lease()["token"] == train[0][2] and not kicks
+    st.release_trainer(train[0][2])
     lock = st.acquire_lock()
-    assert tt.next_step() is None and kicks == [1] and st.trainer_lease() is None
+    sent.clear()
+    tt.tick_here()
+    assert sent == [] and kicks == [1]
     st.release_lock(lock)
 
 
