@@ -8,7 +8,12 @@ worker has not loaded before):
 
     generate(rows, prompts, d, new_versions) =
         gen_task_s + adapter_load_s * new_versions + prefill_token_s * prompts * prompt_tokens
-        + T * (decode_step_s + decode_row_s * rows) * lora_factor * (1 + mix_slope * log2(d))
+        + (L_max(rows) * decode_step_s + decode_row_s * rows * T) * lora_factor * (1 + mix_slope * log2(d))
+
+    L_max(rows) = min(max_new_tokens, T * exp(sigma * z - sigma^2 / 2)),  z = Phi^-1(1 - 1/(rows + 1))
+    (completion lengths lognormal with mean T and spread `length_sigma`: one batch decodes until its
+    longest completion ends, L_max steps of the batch-independent cost, while the growing part is
+    paid per token actually produced; sigma = 0 is fixed length, L_max = T, the CPU workload's case)
     verify(groups_rows)  = verify_task_s + verify_row_s * rows
     train(step)          = train_task_s + train_token_s * P * group_size * (prompt_tokens + T)
 
@@ -30,6 +35,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from statistics import NormalDist
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
@@ -45,10 +51,21 @@ class Workload:
     new_tokens: int = 8
     eval_rows: int = 32
     staleness: int = 2
+    length_sigma: float = 0.0  # lognormal spread of completion lengths (0: every completion new_tokens long)
+    max_new_tokens: int = 0  # the length cap (0: new_tokens)
 
     @property
     def train_tokens(self) -> int:
         return self.groups_per_step * self.group_size * (self.prompt_tokens + self.new_tokens)
+
+    def longest(self, rows: int) -> float:
+        """Expected decode steps of a batch of `rows` completions: its longest one (L_max above)."""
+        cap = self.max_new_tokens or self.new_tokens
+        if self.length_sigma <= 0 or rows <= 1:
+            return float(min(cap, self.new_tokens))
+        z = NormalDist().inv_cdf(1.0 - 1.0 / (rows + 1))
+        s = self.length_sigma
+        return min(float(cap), self.new_tokens * math.exp(s * z - s * s / 2))
 
 
 @dataclass(frozen=True)
@@ -73,7 +90,8 @@ class CostParams:
 
     def generate_s(self, w: Workload, rows: int, prompts: int, distinct: int, new_versions: int) -> float:
         mix = 1.0 + self.mix_slope * math.log2(max(distinct, 1))
-        decode = w.new_tokens * (self.decode_step_s + self.decode_row_s * rows) * self.lora_factor * mix
+        decode = (w.longest(rows) * self.decode_step_s + self.decode_row_s * rows * w.new_tokens) \
+            * self.lora_factor * mix
         return (self.gen_task_s + self.adapter_load_s * new_versions
                 + self.prefill_token_s * prompts * w.prompt_tokens + decode)
 
@@ -108,7 +126,15 @@ def _steps_of(throughput: dict) -> int:
 CPU_ADAPTER_LOAD_S = 0.084  # PEFT load of a 0.73 MB adapter, measured on this machine (FACTS.md, "Adapter I/O")
 
 
-def fit_cpu(throughput: dict, n: int | None = None, poll_s: float = 0.5,
+SUBMIT_GAP_S = 0.01  # Job.wait blocks on the job's end (Store.wait_end); the next job wakes the scheduler
+
+
+def compute_rows(throughput: dict) -> list[dict]:
+    """The compute-only workload's rows of a bench/throughput.py JSON (older files: top-level rows)."""
+    return throughput["rows"] if "rows" in throughput else throughput["workloads"]["compute"]
+
+
+def fit_cpu(throughput: dict, n: int | None = None, submit_gap_s: float = SUBMIT_GAP_S,
             adapter_load_s: float = CPU_ADAPTER_LOAD_S) -> CostParams:
     """Fit the CPU parameters from the *sequential* runs of bench/throughput.py (row `n`, or all rows
     pooled). Only sequential busy times and makespans are used; the marlaas runs are what the
@@ -123,12 +149,13 @@ def fit_cpu(throughput: dict, n: int | None = None, poll_s: float = 0.5,
     - verify_row_s = busy_verify / (jobs * (steps*P*G + 2*eval_rows)).
     - train_task_s = busy_train / (jobs * steps)  (tokens per step are fixed in this workload).
     - gaps: sequential has no overlap, so makespan - sum(busy) is pure overhead; per job it is
-      submit_gap_s (half the client's 0.5 s poll: the client sees the job done, then submits the next;
-      the simulator adds it after each job, the last one included) + dispatch_s * (3*steps + 2) dispatches.
+      submit_gap_s (the client, blocked on the job's end, submits the next, which wakes the scheduler:
+      milliseconds; the simulator adds it after each job, the last one included) + dispatch_s * (3*steps + 2)
+      dispatches.
     - mix_slope: the pooled ratio of generate busy time marlaas/sequential (mixed vs single-adapter
       batches, same rows); a ratio <= 1 means no measurable mixing penalty -> 0.
     """
-    rows = [r for r in throughput["rows"] if n is None or r["tenants"] == n]
+    rows = [r for r in compute_rows(throughput) if n is None or r["tenants"] == n]
     if not rows:
         raise ValueError(f"no row with {n} tenants in throughput.json")
     w = cpu_workload(throughput)
@@ -141,10 +168,9 @@ def fit_cpu(throughput: dict, n: int | None = None, poll_s: float = 0.5,
     verify_row_s = busy["verify"] / (jobs * gen_rows)
     train_task_s = busy["train"] / (jobs * w.steps)
     gap = makespan - sum(busy.values())
-    submit_gap_s = poll_s / 2
     dispatches = CPU_TASKS_PER_STEP_CHAIN * w.steps + 2
     dispatch_s = max(0.0, (gap / jobs - submit_gap_s) / dispatches)
-    all_rows = throughput["rows"]
+    all_rows = compute_rows(throughput)
     ratio = (sum(r["marlaas"]["busy_s"]["generate"] for r in all_rows)
              / sum(r["sequential"]["busy_s"]["generate"] for r in all_rows))
     mix_slope = 0.0 if ratio <= 1 else (ratio - 1) / math.log2(max(r["tenants"] for r in all_rows))
@@ -221,7 +247,7 @@ def h200_params() -> CostParams:
         # Adapter + AdamW state load/save per step and publish (~240 MB at ~1-2 GB/s): ~0.3 s.
         train_task_s=0.3,
         dispatch_s=0.03,  # Celery round trip 9 ms median + tick (results/tick.json order of ms)
-        submit_gap_s=0.25,
+        submit_gap_s=SUBMIT_GAP_S,
         fit_notes=(f"model: {H200_MODEL}; weights {weights_gb} GB", "sources cited in bench/costmodel.py"),
     )
     return apply_gpu_check(p)

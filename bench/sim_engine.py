@@ -60,6 +60,8 @@ class Cluster:
     """station -> resource name in `shared` (a station absent here has its own hardware)"""
     lane_speedup: float = 1.0
     """train time divides by this (a lane spread over several GPUs, data parallel)"""
+    min_fill: float = 0.0
+    """MARLAAS_GEN_MIN_FILL: batches of groups ahead only wait until min_fill * batch_rows rows"""
 
 
 @dataclass
@@ -162,7 +164,8 @@ class Sim:
     def snapshot(self, jobs: tuple[scheduler.JobState, ...]) -> scheduler.Snapshot:
         return scheduler.Snapshot(jobs=jobs, gen_inflight=self.gen_inflight,
                                   gen_capacity=self.c.inflight_per_worker * self.c.gen_workers,
-                                  batch_rows=self.c.batch_rows, trainer_free=self.lanes_taken < self.c.train_lanes)
+                                  batch_rows=self.c.batch_rows, trainer_free=self.lanes_taken < self.c.train_lanes,
+                                  min_batch_rows=int(self.c.min_fill * self.c.batch_rows))
 
     def tick(self) -> None:
         gen_free = self.gen_inflight < self.c.inflight_per_worker * self.c.gen_workers
@@ -357,7 +360,7 @@ class Sim:
                 self._start_ready()
         busy = {st: union_length(iv, 0.0, self.now) for st, iv in self.intervals.items()}
         task_s = {st: sum(e - s for s, e in iv) for st, iv in self.intervals.items()}
-        # The client notices the last job submit_gap_s later (its poll), in both modes.
+        # The client notices the last job submit_gap_s later, in both modes.
         return SimResult(self.mode, len(self.finished), self.now + self.p.submit_gap_s, busy, task_s,
                          self.steps_trained, max(self.hist, default=0), dict(sorted(self.hist.items())),
                          self.violations,

@@ -170,6 +170,7 @@ def snapshot(store: Store, now: float) -> scheduler.Snapshot:
         batch_rows=s.gen_batch_rows,
         trainer_free=trainer_free,
         expired=expired,
+        min_batch_rows=int(s.gen_min_fill * s.gen_batch_rows),
     )
 
 

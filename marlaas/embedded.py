@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -199,6 +201,11 @@ def _alive(pid: int) -> bool:
 
 
 # ------------------------------------------------------------------ Stack: the same lines, one by one
+# The parent-death signal is per thread of the parent: only processes started from the main thread
+# (which lives as long as the process) are tied to it.
+_PDEATHSIG = sys.platform.startswith("linux") and shutil.which("setpriv") is not None
+
+
 class Stack:
     """Procfile processes as separate process groups (tests, benchmarks): start, kill, restart."""
 
@@ -211,11 +218,16 @@ class Stack:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, *names: str, env: dict[str, str] | None = None) -> None:
+        """Start Procfile lines, each in its own process group. Started from the main thread, each
+        process gets SIGTERM when this process dies, however it dies (Linux's parent-death signal,
+        via util-linux `setpriv`), so a benchmark or test killed mid-run leaves no stack behind."""
+        main = threading.current_thread() is threading.main_thread()
+        tie = ["setpriv", "--pdeathsig", "TERM"] if _PDEATHSIG and main else []
         for name in names:
             cmd = self.lines[name]
             log = open(self.log_dir / f"{name}.log", "ab")
             self.procs[name] = subprocess.Popen(
-                ["bash", "-c", f"exec {cmd}"], cwd=ROOT, env={**self.env, **(env or {})},
+                [*tie, "bash", "-c", f"exec {cmd}"], cwd=ROOT, env={**self.env, **(env or {})},
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )
             if name == "redis":

@@ -60,6 +60,7 @@ class Snapshot:
     batch_rows: int = 256
     trainer_free: bool = True
     expired: tuple[Item, ...] = ()
+    min_batch_rows: int = 0  # a batch of groups ahead only (none urgent) waits until this full
 
 
 @dataclass
@@ -182,6 +183,24 @@ def _groups_in_order(jobs: tuple[JobState, ...], evals: list[Item]):
     yield from _interleave_iter(jobs)
 
 
+def _urgent(item: Item, by_id: dict[str, JobState]) -> bool:
+    """Lost work, evaluations, tool turns and the groups a job's next train step lacks."""
+    return item[0] != "gen" or item[2] < _next_step_limit(by_id[item[1]])
+
+
+def _hold_back(batches: list[list[Item]], by_id: dict[str, JobState], min_rows: int) -> list[list[Item]]:
+    """Keep the batches that hold an urgent item or at least `min_rows` rows. Items come in priority
+    order (every urgent item before every group ahead), so the first batch that fails has only groups
+    ahead, and so have the batches after it: they wait for a later tick (nothing is dispatched, so
+    `dispatched` does not move and the same groups come back, with more of them, next time)."""
+    kept = []
+    for batch in batches:
+        if sum(_rows(it, by_id) for it in batch) < min_rows and not any(_urgent(it, by_id) for it in batch):
+            break
+        kept.append(batch)
+    return kept
+
+
 def _rows(item: Item, by_id: dict[str, JobState]) -> int:
     j = by_id[item[1]]
     return j.eval_rows if item[0] == "eval" else j.group_size
@@ -212,6 +231,8 @@ def plan(s: Snapshot) -> Plan:
             rows += _rows(it, by_id)
             it = next(todo, None)
         out.gen_batches.append(batch)
+    if s.min_batch_rows > 0:
+        out.gen_batches = _hold_back(out.gen_batches, by_id, s.min_batch_rows)
     out.relet = min(len(first), sum(len(b) for b in out.gen_batches))
     for batch in out.gen_batches:
         for kind, jid, g in batch:

@@ -8,7 +8,9 @@
 | MARLAAS_BASE_PRESET | size of the tiny base built when MARLAAS_BASE is missing ('default', 'test') | default |
 | MARLAAS_ENGINE | generation engine: 'hf' (transformers+PEFT) or 'vllm' | hf |
 | MARLAAS_THREADS | torch/OMP threads per engine process | 1 |
+| MARLAAS_DEVICE / MARLAAS_DTYPE | trainer and hf engine device ('auto': a GPU if any) / base dtype | auto / auto |
 | MARLAAS_GEN_BATCH_ROWS | most completions one generate task samples | 256 |
+| MARLAAS_GEN_MIN_FILL | batches of groups not needed yet wait until this full (one shared device) | 0 |
 | MARLAAS_LEASE_S | seconds before unfinished work is re-dispatched | 120 |
 | MARLAAS_MAX_LORA_RANK | largest LoRA rank a job may ask for (vLLM's CPU LoRA cost follows it) | 16 |
 | MARLAAS_VLLM_ARGS | extra vLLM engine arguments, a JSON object (GPU hosts; docs/deployment.md) | {} |
@@ -42,8 +44,21 @@ class Settings(BaseSettings):
     """Generation engine. On the 2-core CPU default, PEFT measured faster than vLLM's CPU LoRA path."""
     threads: int = Field(1, ge=1, le=256)
     """Torch / OpenMP threads per engine process (several processes share the cores)."""
+    device: str = "auto"
+    """Torch device of the trainer and of the hf generation engine: 'auto' (cuda:0 when torch sees a
+    GPU, else cpu), 'cpu', 'cuda' or 'cuda:N' (marlaas.devices). vLLM places itself."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of the base weights in those engines: 'auto' is bfloat16 on a GPU, float32 on the CPU
+    (LoRA weights stay float32: PEFT's default)."""
     gen_batch_rows: int = Field(256, ge=1, le=65536)
     """Most completions (rows) one generate task samples, across jobs."""
+    gen_min_fill: float = Field(0.0, ge=0.0, le=1.0)
+    """For generate and train sharing one accelerator: a generate batch holding only groups that no
+    train step waits on yet (groups ahead, within the staleness bound) is sent only once it has
+    gen_min_fill * gen_batch_rows rows, so the shared device decodes a few large batches instead of
+    many small ones (decode cost hardly grows with the batch on a GPU). Batches with lost work, an
+    evaluation or a group the trainer waits on go at once. 0: every batch at once (separate devices,
+    or CPU cores, where early generation costs the trainer nothing)."""
     max_lora_rank: int = Field(16, ge=1, le=256)
     """Largest LoRA rank a job may use; the vLLM engine is sized for it (its CPU cost follows it)."""
     lease_s: float = Field(120.0, gt=0)

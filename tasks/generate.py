@@ -18,7 +18,8 @@ def engine():
 
         s = get_settings()
         base = base_dir()
-        extra = {**s.vllm_args, "max_lora_rank": s.max_lora_rank} if s.engine == "vllm" else {}
+        extra = {**s.vllm_args, "max_lora_rank": s.max_lora_rank} if s.engine == "vllm" else \
+            {"device": s.device, "dtype": s.dtype}
         _engine = make_engine(s.engine, base, store().adapter, threads=s.threads,
                               cache_dir=s.home / "cache" / "adapters", **extra)
     return _engine

@@ -24,7 +24,7 @@ def engine():
         from marlaas.engines.training import TrainingEngine
 
         s = get_settings()
-        _engine = TrainingEngine(base_dir(), threads=s.threads)
+        _engine = TrainingEngine(base_dir(), threads=s.threads, device=s.device, dtype=s.dtype)
     return _engine
 
 

@@ -29,6 +29,18 @@ def test_cost_functions_hand_values():
     assert p.train_s(w) == pytest.approx(3 + 0.01 * 2 * 4 * 12)
 
 
+def test_long_tail_batch_decodes_until_its_longest_completion():
+    w = Workload(new_tokens=100, length_sigma=0.5, max_new_tokens=400)
+    assert w.longest(1) == 100.0
+    # z = Phi^-1(1 - 1/64) = 2.1539 -> 100 * exp(0.5 * 2.1539 - 0.125) = 259.07
+    assert w.longest(63) == pytest.approx(259.07, rel=1e-3)
+    assert w.longest(10**6) == 400.0  # the cap
+    assert Workload(new_tokens=100).longest(63) == 100.0  # fixed length
+    p = CostParams(name="x", decode_step_s=0.01, decode_row_s=0.001)
+    # 259.07 steps * 0.01 + 0.001 * 63 rows * 100 mean tokens = 2.5907 + 6.3
+    assert p.generate_s(w, rows=63, prompts=0, distinct=1, new_versions=0) == pytest.approx(8.8907, rel=1e-4)
+
+
 def test_one_job_one_step_makespan():
     # gen(eval v0 + group 0) 1 -> verify 0.5 (both kinds, in parallel) -> train 2 -> gen(eval v1) 1
     # -> verify 0.5: 5.0 s
@@ -102,14 +114,14 @@ def test_bad_mode_is_one_clear_error():
 def test_cpu_fit_arithmetic_on_a_hand_made_benchmark():
     tp = {"command": "bench/throughput.py --tenants 1 --steps 2 --staleness 2",
           "workload": {"group_size": 2, "prompts_per_step": 1, "max_new_tokens": 1, "eval_size": 1},
-          "rows": [{"tenants": 1, "speedup": 1.0,
+          "workloads": {"compute": [{"tenants": 1, "speedup": 1.0,
                     "sequential": {"makespan_s": 10.0, "busy_s": {"generate": 3.0, "verify": 1.0, "train": 4.0}},
-                    "marlaas": {"busy_s": {"generate": 3.0, "verify": 1.0, "train": 4.0}}}]}
+                    "marlaas": {"busy_s": {"generate": 3.0, "verify": 1.0, "train": 4.0}}}]}}
     p = fit_cpu(tp, adapter_load_s=0.5)
     # rows per job = 2*1*2 + 2*1 = 6; decode_row_s = (3 - 2*0.5) / (6*1) ; train 4/2; verify 1/6
     assert p.decode_row_s == pytest.approx(2 / 6)
     assert p.train_task_s == pytest.approx(2.0)
     assert p.verify_row_s == pytest.approx(1 / 6)
-    # overhead 10 - 8 = 2 s = 0.25 (poll) + dispatch_s * (3*2 + 2)
-    assert p.dispatch_s == pytest.approx(1.75 / 8)
+    # overhead 10 - 8 = 2 s = 0.01 (client's gap to the next job) + dispatch_s * (3*2 + 2)
+    assert p.dispatch_s == pytest.approx(1.99 / 8)
     assert p.mix_slope == 0.0

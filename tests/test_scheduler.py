@@ -166,3 +166,25 @@ def test_generation_share_follows_weights():
     # keys j1 -> 1, 2, 3, ... ; j2 -> 1/3, 2/3, 1, 4/3, ... : 8 more groups = 6 of j2 and 2 of j1
     assert Counter(it[1] for it in batch[:8]) == {"j2": 4, "j1": 4}
     assert Counter(it[1] for it in batch[8:]) == {"j2": 6, "j1": 2}
+
+
+def test_groups_ahead_wait_for_a_full_batch_when_asked():
+    """min_batch_rows (generate and train on one device): a batch of groups no step waits on yet is
+    held back until it has that many rows; a batch with a group the trainer needs, or an evaluation,
+    goes at once and carries the groups ahead with it."""
+    ahead = job("j1", dispatched=4)  # step 0's groups out; step 1's (4 groups, 32 rows) ahead
+    held = plan(Snapshot(jobs=(ahead,), batch_rows=64, min_batch_rows=64))
+    assert held.gen_batches == [] and held.dispatched == {}
+    sent = plan(Snapshot(jobs=(ahead, job("j2", dispatched=4)), batch_rows=64, min_batch_rows=64))
+    assert [len(b) for b in sent.gen_batches] == [8] and sent.dispatched == {"j1": 8, "j2": 8}  # 64 rows
+    blocked = plan(Snapshot(jobs=(job("j1"),), batch_rows=1000, min_batch_rows=1000))
+    assert blocked.gen_batches == [[("gen", "j1", g) for g in range(8)]]  # step 0 needed: goes with step 1
+    ev = plan(Snapshot(jobs=(job("j1", dispatched=4, need_eval=(0,), eval_rows=4),), batch_rows=1000,
+                       min_batch_rows=1000))
+    assert ev.gen_batches == [[("eval", "j1", 0)] + [("gen", "j1", g) for g in range(4, 8)]]
+    # capacity 2 batches of 4 groups: the first holds step 0 (needed), the second only step 1's groups
+    # ahead: sent when 32 rows are enough, held when 48 are asked for
+    two = [plan(Snapshot(jobs=(job("j1", staleness=2),), gen_capacity=2, batch_rows=32, min_batch_rows=m))
+           for m in (32, 48)]
+    assert [len(b) for b in two[0].gen_batches] == [4, 4] and two[0].dispatched == {"j1": 8}
+    assert [len(b) for b in two[1].gen_batches] == [4] and two[1].dispatched == {"j1": 4}

@@ -1,8 +1,9 @@
 """transformers + PEFT generation engine (the CPU default: faster than vLLM's CPU LoRA path here).
 
-One resident fp32 base wrapped in a PeftModel that holds up to `max_adapters` adapter versions
-(LRU; once full, a new version of the same LoRA shape is written into the least recently used
-slot in place instead of PEFT's add/delete, whose cost grows with the adapters registered).
+One resident base (float32 on the CPU, bfloat16 on a GPU: MARLAAS_DEVICE, MARLAAS_DTYPE) wrapped in
+a PeftModel that holds up to `max_adapters` adapter versions (LRU; once full, a new version of the
+same LoRA shape is written into the least recently used slot in place instead of PEFT's
+add/delete, whose cost grows with the adapters registered).
 Requests are grouped by (temperature, max_new_tokens, greedy, stop); each group is one `generate`
 call over all its rows (each request's prompt repeated `n` times, left-padded; the group's stop
 tokens act as extra EOS ids, but only EOS marks a completion `finished`):
@@ -95,9 +96,12 @@ class HFEngine(GenerationEngine):
         max_adapters: int = 64,
         max_rows_per_call: int = 1024,
         mixed_path: str = "stacked",
+        device: str = "cpu",
+        dtype: str = "auto",
     ) -> None:
-        import torch
         from transformers import AutoModelForCausalLM
+
+        from marlaas.devices import resolve_device, resolve_dtype
 
         super().__init__(adapter_source, max_adapters=max_adapters)
         self.threads = threads
@@ -107,7 +111,9 @@ class HFEngine(GenerationEngine):
         self.mixed_path = mixed_path
         _set_threads(threads)
         self.tokenizer = load_tokenizer(base_path)
-        self.model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
+        self.device = resolve_device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=resolve_dtype(dtype, self.device))
+        self.model.to(self.device)
         self.model.eval()
         self.eos_ids = eos_token_ids(self.tokenizer, self.model.generation_config)
         self.peft = None  # PeftModel, created with the first adapter
@@ -250,7 +256,7 @@ class HFEngine(GenerationEngine):
             name = BASE if r.adapter is None else names[r.adapter]
             prompts.extend([r.prompt] * r.n)
             row_adapters.extend([name] * r.n)
-        enc = self.tokenizer(prompts, return_tensors="pt", padding=True)
+        enc = self.tokenizer(prompts, return_tensors="pt", padding=True).to(self.device)
         # Unset fields get transformers' global defaults (top_k=50!), so truncation is switched off
         # explicitly (top_k=0, top_p=1.0); greedy leaves the sampling-only fields alone (no warnings).
         sampling = {} if greedy else dict(temperature=temperature, top_k=0, top_p=1.0, min_p=None, typical_p=1.0)

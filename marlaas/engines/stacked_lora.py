@@ -142,6 +142,8 @@ def stacked_lora(peft_model, row_adapters: list[str], base_name: str, layers: li
     for module in layers:
         if any(n in module.lora_A for n in names):
             plans.append((module, *stack_weights(module, names)))
+    if plans and plans[0][1].device != perm.device:  # the layout is built on the CPU
+        perm, inv = perm.to(plans[0][1].device), inv.to(plans[0][1].device)
     try:
         for module, A, B in plans:
             hooks.append(module.register_forward_hook(partial(_add_delta, A=A, B=B, perm=perm, inv=inv, m=m,

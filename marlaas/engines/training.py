@@ -130,7 +130,7 @@ def job_loss(
     `prox_B_T` is a recomputed pi_prox (see `needs_prox_pass`); None reads it off `logp_B_T`.
     """
     cfg = spec.rl
-    adv_B = torch.tensor([s.advantage for s in kept], dtype=torch.float32)
+    adv_B = torch.tensor([s.advantage for s in kept], dtype=torch.float32, device=logp_B_T.device)
     loss, stats = rl.spec_loss(
         cfg, logp_B_T, behav_B_T, adv_B, mask_B_T, recomputed_prox_B_T=prox_B_T, ref_logprobs_B_T=ref_B_T,
         constant_norm=float(spec.max_new_tokens * max(len(samples), 1)),
@@ -200,18 +200,22 @@ def _safe_name(job_id: str, serial: int) -> str:
 class TrainingEngine:
     """Trains per-job LoRA adapters on one resident base model (see the module docstring)."""
 
-    def __init__(self, base_path: str | Path, *, threads: int = 1, cache_size: int = 32):
+    def __init__(self, base_path: str | Path, *, threads: int = 1, cache_size: int = 32, device: str = "cpu",
+                 dtype: str = "auto"):
         from transformers import AutoModelForCausalLM
 
         from marlaas.basemodel import load_tokenizer
+        from marlaas.devices import resolve_device, resolve_dtype
 
         if cache_size < 1:
             raise ValueError("cache_size must be >= 1")
         torch.set_num_threads(threads)
         self.base_path = Path(base_path)
         self.cache_size = cache_size
+        self.device = resolve_device(device)
         self.tokenizer = load_tokenizer(self.base_path)
-        self.base = AutoModelForCausalLM.from_pretrained(self.base_path, dtype=torch.float32)
+        self.base = AutoModelForCausalLM.from_pretrained(self.base_path, dtype=resolve_dtype(dtype, self.device))
+        self.base.to(self.device)
         self.base.requires_grad_(False)
         self.model = None  # the PeftModel, created with the first job's adapter
         self._jobs: OrderedDict[str, _Job] = OrderedDict()
@@ -267,7 +271,7 @@ class TrainingEngine:
             keys, params = self._adapter_params(name)
             optimizer = torch.optim.AdamW(params, lr=lr, betas=BETAS, weight_decay=0.0)
             if opt_bytes is not None:
-                saved = torch.load(io.BytesIO(opt_bytes), weights_only=True)
+                saved = torch.load(io.BytesIO(opt_bytes), weights_only=True, map_location="cpu")
                 if saved.get("format") != _OPT_FORMAT or saved.get("keys") != keys:
                     raise TrainStateError(f"optimizer state of job {job_id} does not match its adapter")
                 optimizer.load_state_dict(saved["optimizer"])
@@ -352,14 +356,18 @@ class TrainingEngine:
 
         entry = self._jobs[job_id]
         sd = get_peft_model_state_dict(self.model, adapter_name=entry.name, save_embedding_layers=False)
-        weights = st_save({k: v.detach().contiguous() for k, v in sd.items()}, metadata={"format": "pt"})
+        weights = st_save({k: v.detach().cpu().contiguous() for k, v in sd.items()}, metadata={"format": "pt"})
         return AdapterBlob(config=config_to_json(self.model.peft_config[entry.name]), weights=weights)
 
     def optimizer_bytes(self, job_id: str) -> bytes:
         """The cached optimiser state of a job (torch.save of a dict of tensors, lists and numbers)."""
         entry = self._jobs[job_id]
+        sd = entry.optimizer.state_dict()
+        if self.device.type != "cpu":  # the store holds CPU tensors: any host can load them
+            sd["state"] = {k: {n: v.cpu() if torch.is_tensor(v) else v for n, v in st.items()}
+                           for k, st in sd["state"].items()}
         buf = io.BytesIO()
-        torch.save({"format": _OPT_FORMAT, "keys": entry.keys, "optimizer": entry.optimizer.state_dict()}, buf)
+        torch.save({"format": _OPT_FORMAT, "keys": entry.keys, "optimizer": sd}, buf)
         return buf.getvalue()
 
     def state(self, job_id: str) -> TrainState:
@@ -405,7 +413,8 @@ class TrainingEngine:
                 mask_B_T[i, T - n :] = 1 if m is None else torch.tensor(m, dtype=torch.float32)
                 behav_B_T[i, T - n :] = torch.tensor(samples[i].behav_logprobs, dtype=torch.float32)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
-        return input_ids, attn, positions, mask_B_T, behav_B_T, T
+        dev = self.device
+        return input_ids.to(dev), attn.to(dev), positions.to(dev), mask_B_T.to(dev), behav_B_T.to(dev), T
 
     @staticmethod
     def _logprobs(model, input_ids, attn, positions, T: int, temperature: float) -> torch.Tensor:

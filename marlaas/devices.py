@@ -1,0 +1,44 @@
+"""Which torch device and dtype an engine process runs on (MARLAAS_DEVICE, MARLAAS_DTYPE).
+
+    resolve_device("auto")  -> cuda:0 when torch sees a GPU, else cpu
+    resolve_dtype("auto", device) -> bfloat16 on a GPU, float32 on the CPU
+
+Both engines (the HF generation engine and the trainer) take the pair; vLLM places itself.
+"""
+
+from __future__ import annotations
+
+
+def resolve_device(name: str):
+    """'auto' | 'cpu' | 'cuda' | 'cuda:N' -> torch.device; a GPU asked for but absent is one clear error."""
+    import torch
+
+    name = (name or "auto").strip().lower()
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"MARLAAS_DEVICE={name!r} is not a torch device ('auto', 'cpu', 'cuda', 'cuda:N')") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"MARLAAS_DEVICE={name!r} but torch sees no CUDA GPU on this host "
+                             f"(a CPU build of torch, or no driver)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"MARLAAS_DEVICE={name!r} but this host has {torch.cuda.device_count()} GPU(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"MARLAAS_DEVICE={name!r}: only 'cpu' and 'cuda' devices are supported")
+    return dev
+
+
+def resolve_dtype(name: str, device):
+    """'auto' | 'float32' | 'bfloat16' -> torch dtype of the base weights ('auto': bfloat16 on a GPU)."""
+    import torch
+
+    name = (name or "auto").strip().lower()
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"MARLAAS_DTYPE={name!r}: expected 'auto', 'float32' or 'bfloat16'")
+    return table[name]
