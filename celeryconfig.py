@@ -33,6 +33,7 @@ task_default_queue = "control"
 task_routes = {
     "marlaas.generate": {"queue": "generate"},
     "marlaas.verify": {"queue": "verify"},
+    "marlaas.verify_many": {"queue": "verify"},
     "marlaas.train": {"queue": "train"},
     "marlaas.tick": {"queue": "control"},
 }

@@ -110,33 +110,44 @@ def advance_groups(store, jid: str, rolls: list[tuple[int, dict]], tool_url: str
     """Verify side: call the tool for every pending call of these groups (one concurrent batch),
     hand the groups with calls back to generate, and return the groups whose episodes are all
     final (to score). Groups awaiting a continuation are skipped (a redelivered verify)."""
-    final, calls = [], []
-    for g, roll in rolls:
-        if roll.get("awaiting_cont"):
-            continue
-        pend = [(i, e) for i, c in enumerate(roll["completions"]) if (e := episodes.pending_call(c)) is not None]
-        if pend:
-            calls.append((g, roll, pend))
-        else:
-            final.append((g, roll))
-    exprs = [e for _, _, pend in calls for _, e in pend]
+    return advance_many(store, [(jid, rolls)], tool_url)[jid]
+
+
+def advance_many(store, jobs: list[tuple[str, list[tuple[int, dict]]]], tool_url: str) -> dict[str, list]:
+    """`advance_groups` for several jobs' groups at once: every pending call of all of them goes out
+    in ONE concurrent batch, so a verify task waits one tool latency however many jobs it serves.
+    Returns each job's groups whose episodes are all final."""
+    final: dict[str, list] = {jid: [] for jid, _ in jobs}
+    calls = []
+    for jid, rolls in jobs:
+        for g, roll in rolls:
+            if roll.get("awaiting_cont"):
+                continue
+            pend = [(i, e) for i, c in enumerate(roll["completions"]) if (e := episodes.pending_call(c)) is not None]
+            if pend:
+                calls.append((jid, g, roll, pend))
+            else:
+                final[jid].append((g, roll))
+    exprs = [e for *_, pend in calls for _, e in pend]
     values = iter(tools.call_many(tool_url, exprs))
-    n_err = 0
-    for g, roll, pend in calls:
+    n_calls: dict[str, int] = {}
+    n_err: dict[str, int] = {}
+    for jid, g, roll, pend in calls:
         comps = list(roll["completions"])
         for i, _ in pend:
             val = next(values)
-            n_err += val is None
+            n_calls[jid] = n_calls.get(jid, 0) + 1
+            n_err[jid] = n_err.get(jid, 0) + (val is None)
             comps[i] = episodes.with_tool_result(comps[i], val)
         data = {k: v for k, v in roll.items() if k not in ("attempt", "version", "awaiting_cont", "rewards")}
         data["completions"] = comps
         if not store.request_continuation(jid, g, roll["attempt"], data):
             log.info("job %s group %s: verify of a stale attempt: nothing handed back", jid, g)
-    if exprs:
-        store.incr_field(jid, "tool_calls", len(exprs))
-    if n_err:
-        store.incr_field(jid, "tool_errors", n_err)
-        log.warning("job %s: %d of %d tool calls failed (episodes go on with an error result)", jid, n_err, len(exprs))
+    for jid, n in n_calls.items():
+        store.incr_field(jid, "tool_calls", n)
+        if n_err[jid]:
+            store.incr_field(jid, "tool_errors", n_err[jid])
+            log.warning("job %s: %d of %d tool calls failed (episodes go on with an error result)", jid, n_err[jid], n)
     return final
 
 

@@ -132,8 +132,23 @@ def run_generate(store: Store, engine, items: list[list]) -> dict[tuple[str, str
     return to_verify
 
 
-def run_verify(store: Store, jid: str, kind: str, idxs: list[int]) -> int:
-    """Score groups (kind 'train') or a held-out evaluation (kind 'eval'); returns items accepted."""
+def run_verify_many(store: Store, items: list[tuple[str, str, list[int]]]) -> int:
+    """Several jobs' (job, kind, idxs) in one task: the tool calls of all the tool jobs' groups go
+    out in one concurrent round (agentic.advance_many), then each item is scored as run_verify does.
+    A verify task then waits one tool latency for a whole generate batch, not one per job."""
+    tool_jobs = []
+    for jid, kind, idxs in items:
+        if kind == "train" and store.job_fields(jid, "status")[0] in ("running", "evaluating") \
+                and episodes.tool_of(store.spec(jid)):
+            tool_jobs.append((jid, [(g, r) for g in idxs if (r := store.rollout(jid, g)) is not None]))
+    advanced = agentic.advance_many(store, tool_jobs, get_settings().tool_url) if tool_jobs else {}
+    return sum(run_verify(store, jid, kind, idxs, advanced=advanced.get(jid) if kind == "train" else None)
+               for jid, kind, idxs in items)
+
+
+def run_verify(store: Store, jid: str, kind: str, idxs: list[int], advanced: list | None = None) -> int:
+    """Score groups (kind 'train') or a held-out evaluation (kind 'eval'); returns items accepted.
+    `advanced`: a tool job's groups already through their tool calls (run_verify_many)."""
     from marlaas.rewards import score_groups
 
     status = store.job_fields(jid, "status")[0]
@@ -143,9 +158,12 @@ def run_verify(store: Store, jid: str, kind: str, idxs: list[int]) -> int:
     verifier = spec.verifier_name()
     accepted = 0
     if kind == "train":
-        rolls = [(g, r) for g in idxs if (r := store.rollout(jid, g)) is not None]
-        if episodes.tool_of(spec):  # groups with pending tool calls go back to generate (agentic)
-            rolls = agentic.advance_groups(store, jid, rolls, get_settings().tool_url)
+        if advanced is not None:
+            rolls = advanced
+        else:
+            rolls = [(g, r) for g in idxs if (r := store.rollout(jid, g)) is not None]
+            if episodes.tool_of(spec):  # groups with pending tool calls go back to generate (agentic)
+                rolls = agentic.advance_groups(store, jid, rolls, get_settings().tool_url)
         scores = score_groups(verifier, [(r["row"], [c["text"] for c in r["completions"]]) for _, r in rolls])
         for (g, roll), res in zip(rolls, scores):
             if res.errors:

@@ -49,6 +49,8 @@ def describe(name: str, args: list) -> str:
         return f"station=generate batch={args[0]} {jobs}"
     if station == "verify":
         return f"station=verify job={args[0]} tenant={_tenant(args[0])} kind={args[1]} items={args[2]}"
+    if station == "verify_many":
+        return "station=verify " + "; ".join(f"job={j} tenant={_tenant(j)} kind={k} items={i}" for j, k, i in args[0])
     if station == "train":
         return f"station=train job={args[0]} tenant={_tenant(args[0])} version={args[1]}"
     return f"station={station} {args}"

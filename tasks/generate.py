@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from marlaas import stations
+from functools import lru_cache
+
+from marlaas import episodes, stations
 from marlaas.settings import get_settings
 from tasks.app import app
 from tasks.common import base_dir, kick, send, station_event, store
@@ -25,6 +27,11 @@ def engine():
     return _engine
 
 
+@lru_cache(maxsize=65536)
+def _uses_tool(jid: str) -> bool:
+    return episodes.tool_of(store().spec(jid)) is not None
+
+
 @app.task(name="marlaas.generate", ignore_result=True)
 def generate(batch_id: str, items: list[list]) -> dict:
     jobs = [it[1] for it in items]
@@ -43,7 +50,11 @@ def generate(batch_id: str, items: list[list]) -> dict:
                         to_verify.update(stations.run_generate(store(), engine(), [it for it in items if it[1] == jid]))
                     except Exception as e:
                         stations.count_failure(store(), jid, "generate", e)
-        send([("marlaas.verify", [jid, kind, idxs]) for (jid, kind), idxs in to_verify.items()])
+        # A tool task's groups of the whole batch go in one message (their tool calls then overlap);
+        # every other job's in its own (the CPU pool's processes share those).
+        tool = [[jid, kind, idxs] for (jid, kind), idxs in to_verify.items() if kind == "train" and _uses_tool(jid)]
+        send([("marlaas.verify", [jid, kind, idxs]) for (jid, kind), idxs in to_verify.items()
+              if not (kind == "train" and _uses_tool(jid))] + ([("marlaas.verify_many", [tool])] if tool else []))
     finally:
         store().end_gen_batch(batch_id)
         kick()

@@ -11,3 +11,13 @@ def verify(job_id: str, kind: str, idxs: list[int]) -> dict:
         n = stations.run_verify(store(), job_id, kind, idxs)
     kick()
     return {"accepted": n}
+
+
+@app.task(name="marlaas.verify_many", ignore_result=True)
+def verify_many(items: list[list]) -> dict:
+    """Several jobs' [job, kind, idxs] at once: a generate batch's tool-task groups, whose tool calls
+    then go out in one concurrent round (the task waits one tool latency, not one per job)."""
+    with station_event("verify", [it[0] for it in items], kind="many", items=sum(len(it[2]) for it in items)):
+        n = stations.run_verify_many(store(), [tuple(it) for it in items])
+    kick()
+    return {"accepted": n}

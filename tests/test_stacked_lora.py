@@ -139,3 +139,37 @@ def test_full_cache_reuses_a_slot_in_place(tmp_path):
     # v3's outputs differ from v1's (so the equality above is not the old slot's weights).
     v1_out = fresh.generate(reqs([v1]))[0].completions[0].logprobs
     assert max(abs(x - y) for x, y in zip(v1_out, got_solo[0].completions[0].logprobs)) > 1e-4
+
+
+def test_a_new_version_takes_its_predecessors_slot(tmp_path):
+    """A job's new version overwrites its older version's slot (no PEFT add_adapter, whose cost grows
+    with the adapters registered) even while the cache has room; a batch that uses both versions
+    keeps both; outputs equal a fresh engine's."""
+    from marlaas.basemodel import init_model, save
+    from marlaas.engines.generation import blob_from_peft
+    from marlaas.engines.hf_engine import HFEngine
+    from marlaas.engines.types import AdapterRef, GenRequest
+
+    save(*init_model("test", seed=0), tmp_path / "base")
+    peft, tok, names = _peft_with_adapters([8, 8, 8, 8], uniform=True)
+    refs = [AdapterRef("a", 1), AdapterRef("a", 2), AdapterRef("a", 3), AdapterRef("b", 1)]
+    blobs = {r: blob_from_peft(peft, n) for r, n in zip(refs, names)}
+    a1, a2, a3, b1 = refs
+
+    def reqs(rs):
+        return [GenRequest(key=str(i), prompt=f"rev:{i}{i + 2}{i + 4}=", adapter=r, n=2, greedy=True,
+                           max_new_tokens=6) for i, r in enumerate(rs)]
+
+    eng = HFEngine(tmp_path / "base", blobs.__getitem__, max_adapters=8)
+    eng.generate(reqs([a1, b1]))
+    slot = eng._cache[a1]
+    got = eng.generate(reqs([a2, b1]))  # a2 takes a1's slot: the cache has room, but a1 is superseded
+    assert eng._cache[a2] == slot and not eng.serves(a1) and set(eng.loaded()) == {a2, b1}
+    assert len(eng.peft.peft_config) == 2
+    eng.generate(reqs([a2, a3]))  # both versions in one batch: a2 is kept, a3 gets a new slot
+    assert eng.serves(a2) and eng.serves(a3) and len(eng.peft.peft_config) == 3
+    want = HFEngine(tmp_path / "base", blobs.__getitem__, max_adapters=8).generate(reqs([a2, b1]))
+    for x, y in zip(got, want):
+        for cx, cy in zip(x.completions, y.completions):
+            assert cx.token_ids == cy.token_ids
+            assert max(abs(p - q) for p, q in zip(cx.logprobs, cy.logprobs)) < 1e-5

@@ -171,3 +171,29 @@ def test_training_engine_masks_tool_tokens(tiny_base):
         eng._batch([TrainSample(prompt="x", completion_ids=[5, 6], behav_logprobs=[0.0, 0.0], advantage=1.0,
                                 loss_mask=[1])])
     assert torch.isfinite(behav_B_T).all()
+
+
+def test_one_verify_task_calls_the_tool_once_for_several_jobs(st, engine, calc_url, monkeypatch):
+    """run_verify_many: the pending calls of two tool jobs and a plain job's group in one task: one
+    concurrent round of tool calls for both tool jobs, each job's groups handed back or scored."""
+    spec = JobSpec(task="calc", steps=1, prompts_per_step=1, group_size=2, eval_size=1, max_staleness=1)
+    a, b = st.create_job(spec, [ROW], [ROW]), st.create_job(spec, [ROW], [ROW])
+    plain = st.create_job(JobSpec(task="sort", steps=1, prompts_per_step=1, group_size=2, eval_size=1),
+                          [{"prompt": "sort:2 1=", "answer": "1 2"}], [{"prompt": "sort:2 1=", "answer": "1 2"}])
+    tok = engine.tokenizer
+    st.put_rollout(a, 0, 0, {"row": ROW, "row_idx": 0, "completions": [_episode(tok, "[47*38]"),
+                                                                           _episode(tok, "9", finished=True)]})
+    st.put_rollout(b, 0, 0, {"row": ROW, "row_idx": 0, "completions": [_episode(tok, "[2*3]"), _episode(tok, "[4+4]")]})
+    done = [_episode(tok, "1 2", finished=True), _episode(tok, "2", finished=True)]
+    st.put_rollout(plain, 0, 0, {"row": {"prompt": "sort:2 1=", "answer": "1 2"}, "row_idx": 0, "completions": done})
+    rounds = []
+    real = tools.call_many
+    monkeypatch.setattr(tools, "call_many",
+                        lambda url, exprs, **kw: rounds.append(list(exprs)) or real(url, exprs, **kw))
+    accepted = stations.run_verify_many(st, [(a, "train", [0]), (b, "train", [0]), (plain, "train", [0])])
+    assert rounds == [["47*38", "2*3", "4+4"]]  # one round for both tool jobs
+    assert accepted == 1 and "rewards" in st.rollout(plain, 0)  # the plain job's group is scored
+    for jid, want in ((a, ["=1786;", None]), (b, ["=6;", "=8;"])):
+        roll = st.rollout(jid, 0)
+        assert roll["awaiting_cont"] and [c.get("pending") for c in roll["completions"]] == want
+    assert st.job_fields(a, "tool_calls")[0] == "1" and st.job_fields(b, "tool_calls")[0] == "2"

@@ -131,7 +131,12 @@ class HFEngine(GenerationEngine):
     def loaded(self) -> list[AdapterRef]:
         return list(self._cache)
 
-    def _ensure(self, ref: AdapterRef) -> str:
+    def _ensure(self, ref: AdapterRef, keep: frozenset = frozenset()) -> str:
+        """The registered name serving `ref`, loading it if needed. A new version takes over, in
+        place, the slot of an older version of the same job (generation always samples with a
+        job's newest version; an evaluation of the older one loads it again), else the least
+        recently used slot once the cache is full; `keep`, the refs the current batch uses, are
+        never taken over."""
         if ref in self._cache:
             self._cache.move_to_end(ref)
             return self._cache[ref]
@@ -141,9 +146,11 @@ class HFEngine(GenerationEngine):
         blob = self.adapter_source(ref)
         state = load(blob.weights)
         shape = json.dumps(blob.config, sort_keys=True)
-        if len(self._cache) >= self.max_adapters:
-            old_ref, old = next(iter(self._cache.items()))  # the least recently used
-            if self._shape.get(old) == shape and self._overwrite(old, state):
+        older = next(((r, n) for r, n in self._cache.items()  # least recently used first
+                      if r.job_id == ref.job_id and r.version < ref.version and r not in keep), None)
+        lru = next(iter(self._cache.items())) if len(self._cache) >= self.max_adapters else None
+        for old_ref, old in [c for c in (older, lru) if c is not None]:
+            if old_ref not in keep and self._shape.get(old) == shape and self._overwrite(old, state):
                 del self._cache[old_ref]
                 self._cache[ref] = old
                 return old
@@ -218,10 +225,11 @@ class HFEngine(GenerationEngine):
         results: list[GenResult | None] = [None] * len(requests)
         for chunk in group_requests_by_adapter_budget(requests, self.max_adapters):
             names = {}
+            keep = frozenset(requests[i].adapter for i in chunk if requests[i].adapter is not None)
             for i in chunk:
                 ref = requests[i].adapter
                 if ref is not None and ref not in names:
-                    names[ref] = self._ensure(ref)
+                    names[ref] = self._ensure(ref, keep)
             groups: dict[tuple, list[int]] = {}
             for i in chunk:
                 r = requests[i]
