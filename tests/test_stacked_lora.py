@@ -105,39 +105,46 @@ def test_engine_stacked_and_peft_paths_agree(tmp_path):
             assert max(abs(x - y) for x, y in zip(ca.logprobs, cb.logprobs)) < 1e-4
 
 
+def _reqs(refs):
+    """Greedy requests, one prompt per adapter ref (None: the base)."""
+    from marlaas.engines.types import GenRequest
+
+    return [GenRequest(key=str(i), prompt=f"rev:{i}{i + 2}{i + 4}=", adapter=ref, n=2, greedy=True,
+                       max_new_tokens=6) for i, ref in enumerate(refs)]
+
+
+def _assert_same(got, want, tol=1e-5):
+    for a, b in zip(got, want):
+        for ca, cb in zip(a.completions, b.completions):
+            assert ca.token_ids == cb.token_ids
+            assert max(abs(x - y) for x, y in zip(ca.logprobs, cb.logprobs)) < tol
+
+
 def test_full_cache_reuses_a_slot_in_place(tmp_path):
-    """With the adapter cache full, a new version goes into the least recently used slot (no new PEFT
+    """With the adapter cache full, a new adapter goes into the least recently used slot (no new PEFT
     adapter); its outputs equal a fresh engine's, single-adapter and mixed, and the evicted one is gone."""
     from marlaas.basemodel import init_model, save
     from marlaas.engines.generation import blob_from_peft
     from marlaas.engines.hf_engine import HFEngine
-    from marlaas.engines.types import AdapterRef, GenRequest
+    from marlaas.engines.types import AdapterRef
 
     save(*init_model("test", seed=0), tmp_path / "base")
     peft, tok, names = _peft_with_adapters([8, 8, 8], uniform=True)  # one LoRA shape: slots interchangeable
-    blobs = {AdapterRef("j", k + 1): blob_from_peft(peft, n) for k, n in enumerate(names)}
+    blobs = {AdapterRef(f"j{k}", 1): blob_from_peft(peft, n) for k, n in enumerate(names)}  # three jobs
     v1, v2, v3 = blobs
 
-    def reqs(refs):
-        return [GenRequest(key=str(i), prompt=f"rev:{i}{i + 2}{i + 4}=", adapter=ref, n=2, greedy=True,
-                           max_new_tokens=6) for i, ref in enumerate(refs)]
-
     eng = HFEngine(tmp_path / "base", blobs.__getitem__, max_adapters=2)
-    eng.generate(reqs([v1, v2]))
+    eng.generate(_reqs([v1, v2]))
     slot_of_v1 = eng._cache[v1]
-    got_solo = eng.generate(reqs([v3]))  # the cache is full: v3 overwrites v1's slot
+    got_solo = eng.generate(_reqs([v3]))  # the cache is full: v3 overwrites v1's slot (the LRU)
     assert eng._cache[v3] == slot_of_v1 and not eng.serves(v1) and eng.serves(v2) and eng.serves(v3)
     assert len(eng.peft.peft_config) == 2
-    got_mixed = eng.generate(reqs([v3, v2, None]))
+    got_mixed = eng.generate(_reqs([v3, v2, None]))
     fresh = HFEngine(tmp_path / "base", blobs.__getitem__, max_adapters=8)
     for got, refs in ((got_solo, [v3]), (got_mixed, [v3, v2, None])):
-        want = fresh.generate(reqs(refs))
-        for a, b in zip(got, want):
-            for ca, cb in zip(a.completions, b.completions):
-                assert ca.token_ids == cb.token_ids
-                assert max(abs(x - y) for x, y in zip(ca.logprobs, cb.logprobs)) < 1e-5
+        _assert_same(got, fresh.generate(_reqs(refs)))
     # v3's outputs differ from v1's (so the equality above is not the old slot's weights).
-    v1_out = fresh.generate(reqs([v1]))[0].completions[0].logprobs
+    v1_out = fresh.generate(_reqs([v1]))[0].completions[0].logprobs
     assert max(abs(x - y) for x, y in zip(v1_out, got_solo[0].completions[0].logprobs)) > 1e-4
 
 
@@ -148,7 +155,7 @@ def test_a_new_version_takes_its_predecessors_slot(tmp_path):
     from marlaas.basemodel import init_model, save
     from marlaas.engines.generation import blob_from_peft
     from marlaas.engines.hf_engine import HFEngine
-    from marlaas.engines.types import AdapterRef, GenRequest
+    from marlaas.engines.types import AdapterRef
 
     save(*init_model("test", seed=0), tmp_path / "base")
     peft, tok, names = _peft_with_adapters([8, 8, 8, 8], uniform=True)
@@ -156,20 +163,12 @@ def test_a_new_version_takes_its_predecessors_slot(tmp_path):
     blobs = {r: blob_from_peft(peft, n) for r, n in zip(refs, names)}
     a1, a2, a3, b1 = refs
 
-    def reqs(rs):
-        return [GenRequest(key=str(i), prompt=f"rev:{i}{i + 2}{i + 4}=", adapter=r, n=2, greedy=True,
-                           max_new_tokens=6) for i, r in enumerate(rs)]
-
     eng = HFEngine(tmp_path / "base", blobs.__getitem__, max_adapters=8)
-    eng.generate(reqs([a1, b1]))
+    eng.generate(_reqs([a1, b1]))
     slot = eng._cache[a1]
-    got = eng.generate(reqs([a2, b1]))  # a2 takes a1's slot: the cache has room, but a1 is superseded
+    got = eng.generate(_reqs([a2, b1]))  # a2 takes a1's slot: the cache has room, but a1 is superseded
     assert eng._cache[a2] == slot and not eng.serves(a1) and set(eng.loaded()) == {a2, b1}
     assert len(eng.peft.peft_config) == 2
-    eng.generate(reqs([a2, a3]))  # both versions in one batch: a2 is kept, a3 gets a new slot
+    eng.generate(_reqs([a2, a3]))  # both versions in one batch: a2 is kept, a3 gets a new slot
     assert eng.serves(a2) and eng.serves(a3) and len(eng.peft.peft_config) == 3
-    want = HFEngine(tmp_path / "base", blobs.__getitem__, max_adapters=8).generate(reqs([a2, b1]))
-    for x, y in zip(got, want):
-        for cx, cy in zip(x.completions, y.completions):
-            assert cx.token_ids == cy.token_ids
-            assert max(abs(p - q) for p, q in zip(cx.logprobs, cy.logprobs)) < 1e-5
+    _assert_same(got, HFEngine(tmp_path / "base", blobs.__getitem__, max_adapters=8).generate(_reqs([a2, b1])))
