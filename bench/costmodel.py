@@ -123,7 +123,23 @@ def _steps_of(throughput: dict) -> int:
     return int(throughput["command"].split("--steps")[1].split()[0])
 
 
-CPU_ADAPTER_LOAD_S = 0.084  # PEFT load of a 0.73 MB adapter, measured on this machine (FACTS.md, "Adapter I/O")
+def cpu_adapter_load_s() -> float:
+    """Handing a new adapter version to the hf engine, measured in isolation (bench/adapter_load.py:
+    the slot of the job's previous version, or the least recently used one, overwritten in place)."""
+    path = RESULTS / "adapter_load.json"
+    if path.exists():
+        return float(json.loads(path.read_text())["after"]["load_s_median_full_cache"])
+    return 0.0024
+
+
+def cpu_mix_slope() -> float:
+    """Cost of mixing adapters in one batch, measured in isolation (bench/generation_engines.py, hf
+    engine, same rows): tokens/s with 1 adapter / with 32 = 1 + slope * log2(32)."""
+    path = RESULTS / "generation_engines.json"
+    if not path.exists():
+        return 0.0
+    cases = json.loads(path.read_text())["engines"]["hf"]["cases"]
+    return max(0.0, (cases["1"]["tokens_per_s"] / cases["32"]["tokens_per_s"] - 1) / 5)
 
 
 SUBMIT_GAP_S = 0.01  # Job.wait blocks on the job's end (Store.wait_end); the next job wakes the scheduler
@@ -135,14 +151,14 @@ def compute_rows(throughput: dict) -> list[dict]:
 
 
 def fit_cpu(throughput: dict, n: int | None = None, submit_gap_s: float = SUBMIT_GAP_S,
-            adapter_load_s: float = CPU_ADAPTER_LOAD_S) -> CostParams:
+            adapter_load_s: float | None = None, mix_slope: float | None = None) -> CostParams:
     """Fit the CPU parameters from the *sequential* runs of bench/throughput.py (row `n`, or all rows
-    pooled). Only sequential busy times and makespans are used; the marlaas runs are what the
-    calibration then predicts. The arithmetic:
+    pooled) and two isolated measurements; the marlaas runs are what the calibration then predicts.
+    The arithmetic:
 
     - per job: rows sampled = steps*P*G + 2*eval_rows (evaluation of version 0 and of the last);
       generate tasks = steps + 1 (the version-0 evaluation rides in the first batch).
-    - adapter_load_s: measured separately (PEFT adapter load, 84 ms); a sequential job loads versions
+    - adapter_load_s: measured separately (cpu_adapter_load_s); a sequential job loads versions
       1..steps once each.
     - decode_row_s = (busy_generate - jobs*steps*adapter_load_s) / (jobs * rows * T)  (CPU compute grows
       linearly with rows, FACTS; decode_step_s = 0, gen_task_s = 0: inside the per-row figure).
@@ -152,9 +168,10 @@ def fit_cpu(throughput: dict, n: int | None = None, submit_gap_s: float = SUBMIT
       submit_gap_s (the client, blocked on the job's end, submits the next, which wakes the scheduler:
       milliseconds; the simulator adds it after each job, the last one included) + dispatch_s * (3*steps + 2)
       dispatches.
-    - mix_slope: the pooled ratio of generate busy time marlaas/sequential (mixed vs single-adapter
-      batches, same rows); a ratio <= 1 means no measurable mixing penalty -> 0.
+    - mix_slope: measured separately (cpu_mix_slope: 1 against 32 adapters in one batch).
     """
+    adapter_load_s = cpu_adapter_load_s() if adapter_load_s is None else adapter_load_s
+    mix_slope = cpu_mix_slope() if mix_slope is None else mix_slope
     rows = [r for r in compute_rows(throughput) if n is None or r["tenants"] == n]
     if not rows:
         raise ValueError(f"no row with {n} tenants in throughput.json")
@@ -170,10 +187,6 @@ def fit_cpu(throughput: dict, n: int | None = None, submit_gap_s: float = SUBMIT
     gap = makespan - sum(busy.values())
     dispatches = CPU_TASKS_PER_STEP_CHAIN * w.steps + 2
     dispatch_s = max(0.0, (gap / jobs - submit_gap_s) / dispatches)
-    all_rows = compute_rows(throughput)
-    ratio = (sum(r["marlaas"]["busy_s"]["generate"] for r in all_rows)
-             / sum(r["sequential"]["busy_s"]["generate"] for r in all_rows))
-    mix_slope = 0.0 if ratio <= 1 else (ratio - 1) / math.log2(max(r["tenants"] for r in all_rows))
     tag = "all rows pooled" if n is None else f"{n} tenants"
     notes = (
         f"source: results/throughput.json sequential run ({tag}), {jobs} jobs x {w.steps} steps",
@@ -184,8 +197,8 @@ def fit_cpu(throughput: dict, n: int | None = None, submit_gap_s: float = SUBMIT
         f"train_task_s = {busy['train']:.2f} / ({jobs}*{w.steps}) = {train_task_s:.4f}",
         f"overhead = makespan - sum(busy) = {makespan:.2f} - {sum(busy.values()):.2f} = {gap:.2f} s;"
         f" dispatch_s = ({gap:.2f}/{jobs} - {submit_gap_s}) / {dispatches} = {dispatch_s:.4f}",
-        f"generate busy marlaas/sequential (all rows) = {ratio:.3f}"
-        f" -> mix_slope = {mix_slope:.3f}",
+        f"adapter_load_s = {adapter_load_s} (results/adapter_load.json); mix_slope = {mix_slope:.4f}"
+        " (results/generation_engines.json, hf: tokens/s 1 adapter / 32 = 1 + 5 * slope)",
     )
     return CostParams(name=f"cpu[{tag}]", decode_row_s=decode_row_s, adapter_load_s=adapter_load_s,
                       verify_row_s=verify_row_s,

@@ -3,9 +3,10 @@
     .venv/bin/python bench/project_gpu.py --out results/gpu_projection.json
 
 (a) Calibration. The `cpu` parameter set is fitted from the *sequential* runs of
-results/throughput.json (bench/costmodel.py `fit_cpu`, arithmetic in the JSON); the stations share
-the machine's cores by processor sharing. The simulator then predicts both makespans at 1, 2, 4, 8
-tenants and the speedup sequential/marlaas is compared with the measured one:
+results/throughput.json (bench/costmodel.py `fit_cpu`, arithmetic in the JSON); the stations and the
+control work of every dispatch share the machine's cores by processor sharing. The simulator then
+predicts both makespans at every measured N and the speedup sequential/marlaas is compared with the
+measured one:
     rel_error = simulated_speedup / measured_speedup - 1      (target |rel_error| <= 0.15)
 Reported for the pooled fit (one parameter set for all rows: the headline) and for a per-row fit.
 (b) Projection on one H200 (bench/costmodel.py `h200_params`, published figures or
@@ -57,8 +58,8 @@ LONG_TAIL = {"length_sigma": 0.6, "max_new_tokens": 2048}
 
 def cpu_cluster(cores: float) -> Cluster:
     """The Procfile on the CPU machine: 1 generate worker, verify prefork -c 2, 1 trainer."""
-    return Cluster(gen_workers=1, verify_slots=2, train_lanes=1, batch_rows=256,
-                   shared={"cpu": cores}, placement=dict.fromkeys(STATIONS, "cpu"))
+    return Cluster(gen_workers=1, verify_slots=2, train_lanes=1, batch_rows=256, control_slots=1,
+                   shared={"cpu": cores}, placement=dict.fromkeys((*STATIONS, "control"), "cpu"))
 
 
 def h200_cluster(min_fill: float = H200_MIN_FILL) -> Cluster:

@@ -19,7 +19,8 @@ What is simulated, mirroring marlaas/dispatch.py and tasks/:
   same `plan()` again, once per further free lane, on a snapshot with no generate capacity and the
   jobs already training marked not ready (pass values updated), so each lane gets the stride-WRR
   choice among the rest. Invariant 5 of DESIGN.md (one lane) holds for L = 1 only.
-- Every task starts `dispatch_s` after the decision (broker round trip + tick).
+- Every task starts `dispatch_s` after the decision (broker round trip + tick); with
+  `Cluster.control_slots` that is CPU work of a control process sharing the machine's cores.
 - Shared resources by processor sharing: stations mapped to a resource of capacity c run at rate
   min(1, c / n) when n tasks run on it (2 CPU cores for the CPU calibration; one GPU shared by
   generate and train on a single accelerator). Unmapped stations have their own hardware.
@@ -62,6 +63,11 @@ class Cluster:
     """train time divides by this (a lane spread over several GPUs, data parallel)"""
     min_fill: float = 0.0
     """MARLAAS_GEN_MIN_FILL: batches of groups ahead only wait until min_fill * batch_rows rows"""
+    control_slots: int = 0
+    """0: a dispatch is a pure delay of dispatch_s. > 0: each dispatch is a "control" task of
+    dispatch_s work (the tick, the broker round trip, the worker's message handling) run by this
+    many control processes on placement["control"]'s resource, so on a shared CPU it competes
+    with the stations for the cores; the task joins its station's queue when it is done."""
 
 
 @dataclass
@@ -145,12 +151,14 @@ class Sim:
         self.now = 0.0
         self.arrivals: list = []  # (time, seq, task) entering a station queue
         self.seq = itertools.count()
-        self.queues = {st: deque() for st in STATIONS}
+        self.kinds = STATIONS + (("control",) if cluster.control_slots else ())
+        self.queues = {st: deque() for st in self.kinds}
         self.running: list[_Task] = []
         self.free_gen = list(range(cluster.gen_workers))
         self.caches = [set() for _ in range(cluster.gen_workers)]
-        self.slots = {"generate": cluster.gen_workers, "verify": cluster.verify_slots, "train": cluster.train_lanes}
-        self.busy_n = dict.fromkeys(STATIONS, 0)
+        self.slots = {"generate": cluster.gen_workers, "verify": cluster.verify_slots, "train": cluster.train_lanes,
+                      "control": cluster.control_slots}
+        self.busy_n = dict.fromkeys(self.kinds, 0)
         self.gen_inflight = 0
         self.lanes_taken = 0
         self.intervals = {st: [] for st in STATIONS}
@@ -208,12 +216,15 @@ class Sim:
             self.plans += 1
 
     def _send(self, station: str, work: float, payload: tuple) -> None:
+        if self.c.control_slots:
+            self.queues["control"].append(_Task("control", self.p.dispatch_s, (station, work, payload)))
+            return
         heapq.heappush(self.arrivals, (self.now + self.p.dispatch_s, next(self.seq), _Task(station, work, payload)))
 
     # -- stations ---------------------------------------------------------------------------------
 
     def _start_ready(self) -> None:
-        for st in STATIONS:
+        for st in self.kinds:
             q = self.queues[st]
             while q and self.busy_n[st] < self.slots[st]:
                 task = q.popleft()
@@ -261,6 +272,10 @@ class Sim:
 
     def _complete(self, task: _Task) -> None:
         st = task.station
+        if st == "control":  # dispatched: the task joins its station's queue
+            self.busy_n[st] -= 1
+            self.queues[task.payload[0]].append(_Task(*task.payload))
+            return
         self.busy_n[st] -= 1
         self.intervals[st].append((task.start, self.now))
         if self.keep_trace:
@@ -327,6 +342,7 @@ class Sim:
                 self.active[job.id] = job
             self.pending.clear()
             self.tick()
+            self._start_ready()
         while self.active or self.pending or self.arrivals or self.running:
             rates = self._rates()
             dt = min((t.work / r for t, r in zip(self.running, rates)), default=float("inf"))

@@ -117,7 +117,7 @@ def test_cpu_fit_arithmetic_on_a_hand_made_benchmark():
           "workloads": {"compute": [{"tenants": 1, "speedup": 1.0,
                     "sequential": {"makespan_s": 10.0, "busy_s": {"generate": 3.0, "verify": 1.0, "train": 4.0}},
                     "marlaas": {"busy_s": {"generate": 3.0, "verify": 1.0, "train": 4.0}}}]}}
-    p = fit_cpu(tp, adapter_load_s=0.5)
+    p = fit_cpu(tp, adapter_load_s=0.5, mix_slope=0.0)
     # rows per job = 2*1*2 + 2*1 = 6; decode_row_s = (3 - 2*0.5) / (6*1) ; train 4/2; verify 1/6
     assert p.decode_row_s == pytest.approx(2 / 6)
     assert p.train_task_s == pytest.approx(2.0)
