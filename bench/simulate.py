@@ -88,7 +88,7 @@ def tick_figure(measure: bool) -> dict:
         return {"tick_ms_1000_tenants": data["tick_ms_1000_tenants"], "source": f"results/tick.json [{src}]",
                 "tick_case": data.get("tick_ms_1000_tenants_case", "expired"),
                 "tick_ms_1000_tenants_all_leases_expired": data.get("tick_ms_1000_tenants_all_leases_expired"),
-                "command": data.get(src, {}).get("command")}
+                "tick_command": data.get(src, {}).get("command")}
     sections = [(k, v) for k, v in data.items() if isinstance(v, dict) and "results" in v]
     sections.sort(key=lambda kv: kv[0] == "before")  # the latest code first, 'before' last
     for name, sec in sections:
