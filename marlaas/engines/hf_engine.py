@@ -1,9 +1,10 @@
 """transformers + PEFT generation engine (the CPU default: faster than vLLM's CPU LoRA path here).
 
 One resident base (float32 on the CPU, bfloat16 on a GPU: MARLAAS_DEVICE, MARLAAS_DTYPE) wrapped in
-a PeftModel that holds up to `max_adapters` adapter versions (LRU; once full, a new version of the
-same LoRA shape is written into the least recently used slot in place instead of PEFT's
-add/delete, whose cost grows with the adapters registered).
+a PeftModel that holds up to `max_adapters` adapter versions. A job's new version is written in
+place into the slot of its previous version (same LoRA shape), or once the cache is full into the
+least recently used slot, instead of PEFT's add/delete, whose cost grows with the adapters
+registered (`_ensure`).
 Requests are grouped by (temperature, max_new_tokens, greedy, stop); each group is one `generate`
 call over all its rows (each request's prompt repeated `n` times, left-padded; the group's stop
 tokens act as extra EOS ids, but only EOS marks a completion `finished`):
