@@ -190,7 +190,7 @@ def main() -> None:
     def save() -> dict:  # after every setting, so an interrupted run keeps what it measured
         out = {
             "command": "bench/quality.py " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("out", "png", "base")),
+                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("out", "png", "base", "table")),
             "date": time.strftime("%Y-%m-%d"),
             "wall_s": round(time.time() - t_start, 1),
             "sizes": {"steps": a.steps, "group_size": a.group_size, "prompts_per_step": a.prompts,
