@@ -56,6 +56,19 @@ def test_dispatch_and_client_gaps_add_up():
     assert simulate(p, W, 1, Cluster(verify_slots=4), "sequential").makespan_s == pytest.approx(5.0 + 0.5 + 0.25)
 
 
+def test_dispatch_as_control_work_on_a_shared_core():
+    """control_slots: every dispatch is dispatch_s of CPU work sharing the one core with the stations;
+    the core never idles, so the makespan is all the work: stations 1 + (0.5 + 0.5) + 2 + 1 + 0.5 and
+    six dispatches (gen, verify x2 (train and eval kinds), train, gen, verify) of 0.1."""
+    p = CostParams(name="hand", gen_task_s=1.0, verify_task_s=0.5, train_task_s=2.0, dispatch_s=0.1)
+    one_core = Cluster(verify_slots=4, control_slots=1, shared={"cpu": 1.0},
+                       placement={"generate": "cpu", "verify": "cpu", "train": "cpu", "control": "cpu"})
+    assert simulate(p, W, 1, one_core, "marlaas").makespan_s == pytest.approx(5.5 + 6 * 0.1)
+    delay_only = Cluster(verify_slots=4, shared={"cpu": 1.0},
+                         placement={"generate": "cpu", "verify": "cpu", "train": "cpu"})
+    assert simulate(p, W, 1, delay_only, "marlaas").makespan_s == pytest.approx(5.5 + 5 * 0.1)  # verifies overlap
+
+
 def test_sequential_is_the_sum_of_jobs():
     p = CostParams(name="hand", gen_task_s=1.0, verify_task_s=0.5, train_task_s=2.0, submit_gap_s=0.25)
     one = simulate(p, W, 1, Cluster(verify_slots=4), "sequential").makespan_s
