@@ -139,7 +139,7 @@ def cpu_mix_slope() -> float:
     if not path.exists():
         return 0.0
     cases = json.loads(path.read_text())["engines"]["hf"]["cases"]
-    return max(0.0, (cases["1"]["tokens_per_s"] / cases["32"]["tokens_per_s"] - 1) / 5)
+    return max(0.0, (cases["1"]["tokens_per_s"] / cases["32"]["tokens_per_s"] - 1) / math.log2(32))
 
 
 SUBMIT_GAP_S = 0.01  # Job.wait blocks on the job's end (Store.wait_end); the next job wakes the scheduler

@@ -52,9 +52,13 @@ def generate(batch_id: str, items: list[list]) -> dict:
                         stations.count_failure(store(), jid, "generate", e)
         # A tool task's groups of the whole batch go in one message (their tool calls then overlap);
         # every other job's in its own (the CPU pool's processes share those).
-        tool = [[jid, kind, idxs] for (jid, kind), idxs in to_verify.items() if kind == "train" and _uses_tool(jid)]
-        send([("marlaas.verify", [jid, kind, idxs]) for (jid, kind), idxs in to_verify.items()
-              if not (kind == "train" and _uses_tool(jid))] + ([("marlaas.verify_many", [tool])] if tool else []))
+        messages, tool = [], []
+        for (jid, kind), idxs in to_verify.items():
+            if kind == "train" and _uses_tool(jid):
+                tool.append([jid, kind, idxs])
+            else:
+                messages.append(("marlaas.verify", [jid, kind, idxs]))
+        send(messages + ([("marlaas.verify_many", [tool])] if tool else []))
     finally:
         store().end_gen_batch(batch_id)
         kick()
