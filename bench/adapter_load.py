@@ -29,14 +29,12 @@ from bench.generation_engines import build  # noqa: E402
 
 
 def run(mode: str, workdir: Path, versions: int, max_adapters: int) -> dict:
-    from marlaas.engines.generation import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
-    from marlaas.engines.hf_engine import HFEngine
-    from marlaas.engines.types import AdapterBlob, AdapterRef, GenRequest
+    from marlaas.adapters import read_adapter_dir
+    from marlaas.generate.hf import HFEngine
+    from marlaas.types import AdapterBlob, AdapterRef, GenRequest
 
     def source(ref: AdapterRef) -> AdapterBlob:
-        d = workdir / "adapters" / f"job{ref.version % 4}"
-        return AdapterBlob(config=json.loads((d / ADAPTER_CONFIG_NAME).read_text()),
-                           weights=(d / ADAPTER_WEIGHTS_NAME).read_bytes())
+        return read_adapter_dir(workdir / "adapters" / f"job{ref.version % 4}")
 
     eng = HFEngine(workdir / "base", source, threads=1, max_adapters=max_adapters,
                    mixed_path="stacked" if mode == "after" else "peft")

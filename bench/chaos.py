@@ -14,8 +14,8 @@ import json
 import time
 from pathlib import Path
 
-from marlaas.chaos import run_chaos
-from marlaas.pretrain import ensure_base
+from marlaas.base.pretrain import ensure_base
+from marlaas.ops.chaos import run_chaos
 from marlaas.settings import get_settings
 
 

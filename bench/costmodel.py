@@ -161,7 +161,7 @@ def fit_cpu(throughput: dict, n: int | None = None, submit_gap_s: float = SUBMIT
     - adapter_load_s: measured separately (cpu_adapter_load_s); a sequential job loads versions
       1..steps once each.
     - decode_row_s = (busy_generate - jobs*steps*adapter_load_s) / (jobs * rows * T)  (CPU compute grows
-      linearly with rows, FACTS; decode_step_s = 0, gen_task_s = 0: inside the per-row figure).
+      linearly with rows, measured here; decode_step_s = 0, gen_task_s = 0: inside the per-row figure).
     - verify_row_s = busy_verify / (jobs * (steps*P*G + 2*eval_rows)).
     - train_task_s = busy_train / (jobs * steps)  (tokens per step are fixed in this workload).
     - gaps: sequential has no overlap, so makespan - sum(busy) is pure overhead; per job it is
@@ -246,7 +246,7 @@ def h200_params() -> CostParams:
         lora_factor=1.2,
         mix_slope=0.025,
         # A new adapter version into the engine: ~80 MB (r=16, all linear, bf16) fetched and copied to
-        # the GPU; vLLM add_lora on CPU measured 11 ms + 37-45 ms first use (FACTS) for a tiny adapter;
+        # the GPU; vLLM add_lora on CPU measured 11 ms + 37-45 ms first use (measured here) for a tiny adapter;
         # 80 MB at ~1-2 GB/s from the store dominates: ~0.08 s.
         adapter_load_s=0.08,
         gen_task_s=0.02,

@@ -14,7 +14,7 @@ torch.set_num_threads) with the same thread budget.
 
     python bench/generation_engines.py --out results/generation_engines.json [--threads 1]
 
-Labels: `hf` is the default engine (mixed batches through `marlaas.engines.stacked_lora`), `hf-peft`
+Labels: `hf` is the default engine (mixed batches through `marlaas.generate.stacked_lora`), `hf-peft`
 the same engine with `mixed_path="peft"` (PEFT's `adapter_names`), `vllm` the vLLM engine.
 """
 
@@ -41,8 +41,8 @@ def build(workdir: Path, n_adapters: int, seed: int = 0) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from marlaas.basemodel import init_model, save
-    from marlaas.engines.generation import blob_from_peft, write_blob
+    from marlaas.adapters import blob_from_peft, write_adapter_dir
+    from marlaas.base.tiny import init_model, save
 
     model, tok = init_model("default", seed=seed)
     save(model, tok, workdir / "base")
@@ -53,7 +53,7 @@ def build(workdir: Path, n_adapters: int, seed: int = 0) -> None:
             for name, p in pm.named_parameters():
                 if "lora_B" in name:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-        write_blob(blob_from_peft(pm, "default"), workdir / "adapters" / f"job{k}")
+        write_adapter_dir(blob_from_peft(pm, "default"), workdir / "adapters" / f"job{k}")
 
 
 def prompts(seed: int = 0) -> list[str]:
@@ -68,14 +68,12 @@ def prompts(seed: int = 0) -> list[str]:
 
 
 def worker(kind: str, workdir: Path, threads: int, repeats: int, cases: list[int], engine_kwargs: dict) -> dict:
-    from marlaas.engines.generation import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, make_engine
-    from marlaas.engines.types import AdapterBlob, AdapterRef, GenRequest
+    from marlaas.adapters import read_adapter_dir
+    from marlaas.generate.factory import make_engine
+    from marlaas.types import AdapterBlob, AdapterRef, GenRequest
 
     def source(ref: AdapterRef) -> AdapterBlob:
-        d = workdir / "adapters" / ref.job_id
-        return AdapterBlob(
-            config=json.loads((d / ADAPTER_CONFIG_NAME).read_text()), weights=(d / ADAPTER_WEIGHTS_NAME).read_bytes()
-        )
+        return read_adapter_dir(workdir / "adapters" / ref.job_id)
 
     t0 = time.perf_counter()
     engine = make_engine(kind, workdir / "base", source, threads=threads, max_adapters=64, **engine_kwargs)

@@ -15,7 +15,7 @@ share is spent is recorded as {"skipped": "budget"}; an out-of-memory one as {"o
    tokens per step (batch x sequence length).
 3. fused: J jobs (own adapter, own AdamW, R sequences each) trained one after another (set_adapter
    per job) against one fused forward/backward with per-row adapter routing
-   (`marlaas/engines/routing.py`, loaded by file path so the project's other dependencies are not
+   (`marlaas/train/routing.py`, loaded by file path so the project's other dependencies are not
    needed), then each job's own clip + AdamW step. fused_speedup = sequential_s / fused_s.
 
 Figures are medians of `--reps` timed runs after one warm-up; CUDA is synchronised around each.
@@ -58,7 +58,7 @@ SHARES = {"decode": 0.5, "train": 0.2, "fused": 0.3}  # of the budget, cumulativ
 
 
 def load_routing():
-    """`marlaas/engines/routing.py` by path (it imports only torch and peft)."""
+    """`marlaas/train/routing.py` by path (it imports only torch and peft)."""
     spec = importlib.util.spec_from_file_location("marlaas_routing", ROOT / "marlaas" / "engines" / "routing.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

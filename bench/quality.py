@@ -25,9 +25,9 @@ from collections import Counter
 from pathlib import Path
 
 from marlaas import families
-from marlaas.client import Client
-from marlaas.embedded import Stack, wait_for_workers
-from marlaas.pretrain import ensure_base
+from marlaas.api.client import Client
+from marlaas.base.pretrain import ensure_base
+from marlaas.ops.embedded import Stack, wait_for_workers
 from marlaas.settings import get_settings
 from marlaas.spec import JobSpec
 from marlaas.store import Store

@@ -1,9 +1,9 @@
-"""Discrete-event simulator that drives the real `marlaas.scheduler.plan` over simulated time.
+"""Discrete-event simulator that drives the real `marlaas.control.scheduler.plan` over simulated time.
 
     from bench.sim_engine import Cluster, simulate
     simulate(params, workload, n_tenants, Cluster(...), mode="marlaas")
 
-What is simulated, mirroring marlaas/dispatch.py and tasks/:
+What is simulated, mirroring marlaas/control/dispatch.py and tasks/:
 - A tick builds a `scheduler.Snapshot` from the simulator's state exactly as `dispatch.snapshot`
   does (version, dispatched, pass, ready = all groups of the next step verified, need_eval,
   gen_inflight, gen_capacity = inflight_per_worker * generate workers, batch_rows, trainer_free)
@@ -18,7 +18,7 @@ What is simulated, mirroring marlaas/dispatch.py and tasks/:
 - Several trainer lanes: the policy has one `trainer_free` flag. For L > 1 the simulator asks the
   same `plan()` again, once per further free lane, on a snapshot with no generate capacity and the
   jobs already training marked not ready (pass values updated), so each lane gets the stride-WRR
-  choice among the rest. Invariant 5 of DESIGN.md (one lane) holds for L = 1 only.
+  choice among the rest. The one-trainer-lane invariant holds for L = 1 only.
 - Every task starts `dispatch_s` after the decision (broker round trip + tick); with
   `Cluster.control_slots` that is CPU work of a control process sharing the machine's cores.
 - Shared resources by processor sharing: stations mapped to a resource of capacity c run at rate
@@ -35,8 +35,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from marlaas import scheduler
-from marlaas.timeline import union_length
+from marlaas.control import scheduler
+from marlaas.ops.timeline import union_length
 
 try:  # run as `python bench/x.py` or imported as `bench.x`
     from bench.costmodel import CostParams, Workload

@@ -69,7 +69,7 @@ def run_cell(p, w, n: int, gpus: int, lanes: int, seq_one: float) -> dict:
 def tick_figure(measure: bool) -> dict:
     if measure:
         from bench.tick import measure_tick
-        from marlaas.embedded import Stack
+        from marlaas.ops.embedded import Stack
 
         stack = Stack()
         stack.start("redis")

@@ -19,7 +19,7 @@ smaller than the sequential run's), so
     ceiling_speedup    = sequential_makespan / ceiling_makespan(marlaas run)
     fraction_of_ceiling = speedup / ceiling_speedup = ceiling_makespan(marlaas) / marlaas_makespan
 and `makespan_over_busiest` = marlaas makespan / its busiest station's busy time (target <= 1.15).
-`train_busy_steady` is the trainer's busy fraction in the steady state (marlaas.timeline.steady_window:
+`train_busy_steady` is the trainer's busy fraction in the steady state (marlaas.ops.timeline.steady_window:
 from the first train step to the end of the first job's last step, while every tenant still feeds it).
 The arithmetic is written into the JSON. With `--trl`, `bench/trl_peer.py` runs TRL's GRPOTrainer on
 the same compute-only jobs one after another (in a subprocess, after the stack is stopped) and the
@@ -37,13 +37,13 @@ import sys
 import time
 from pathlib import Path
 
-from marlaas.client import Client
-from marlaas.embedded import Stack, wait_for_workers
-from marlaas.pretrain import ensure_base
+from marlaas.api.client import Client
+from marlaas.base.pretrain import ensure_base
+from marlaas.ops.embedded import Stack, wait_for_workers
+from marlaas.ops.timeline import STATIONS, busy_fractions, idle_gaps, steady_busy, steady_window, union_length
 from marlaas.settings import get_settings
 from marlaas.spec import JobSpec
 from marlaas.store import Store
-from marlaas.timeline import STATIONS, busy_fractions, idle_gaps, steady_busy, steady_window, union_length
 
 TASKS = ("sort", "reverse", "max", "code", "min", "add")
 WORKLOAD_TASKS = {"compute": TASKS, "agentic": ("calc",)}

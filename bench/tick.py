@@ -47,10 +47,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from marlaas import dispatch, scheduler
-from marlaas.engines.types import AdapterBlob
+from marlaas.control import dispatch, scheduler
 from marlaas.spec import JobSpec
 from marlaas.store import GEN_INFLIGHT, LEASES, LOCK, TRAINER, VT, Store, item_name, job_key
+from marlaas.types import AdapterBlob
 
 KINDS = ("ready", "generating", "expired", "evaluating", "new")
 STEPS, P, G, S = 20, 4, 8, 2  # steps, groups per step, group size, max staleness
@@ -180,7 +180,7 @@ def measure_tick(n_tenants: int, url: str, repeats: int = 50, case: str = "expir
     `publish`: the tick's messages go to the broker through Celery (else they are only counted)."""
     st = Store(url)
     st.r.flushdb()
-    dispatch._VIEWS.pop(st.url, None)
+    dispatch.MEMORY.forget(st.url)
     now = time.time()
     t0 = time.perf_counter()
     build(st, n_tenants, now, case)
@@ -205,7 +205,7 @@ def measure_tick(n_tenants: int, url: str, repeats: int = 50, case: str = "expir
     saved.restore(st, trainer_busy=False)
     dispatch.tick(st, lambda msgs: None)  # scripts loaded
     saved.restore(st, trainer_busy=False)
-    dispatch._VIEWS.pop(st.url, None)
+    dispatch.MEMORY.forget(st.url)
     t = time.perf_counter()
     dispatch.tick(st, lambda msgs: None)  # cold: every row decoded
     cold = time.perf_counter() - t
@@ -305,7 +305,7 @@ def main() -> None:
     a = ap.parse_args()
     os.environ["MARLAAS_HOME"] = tempfile.mkdtemp(prefix="marlaas-tick-")
     os.environ.pop("MARLAAS_REDIS_URL", None)
-    from marlaas.embedded import Stack
+    from marlaas.ops.embedded import Stack
     from marlaas.settings import get_settings
 
     get_settings.cache_clear()

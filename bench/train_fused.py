@@ -5,8 +5,8 @@ samples of `--tokens` completion tokens, advantages +-1), one round of steps is 
 the same `TrainingEngine`:
 
 - sequential: `engine.step(job)` for each job, one after another (what the trainer lane does now);
-- fused: one `engine.step_fused(jobs)` (one forward/backward, per-row adapter routing,
-  `marlaas.engines.fused`).
+- fused: one `step_fused(engine, jobs)` (one forward/backward, per-row adapter routing,
+  `marlaas.train.fused`).
 
 Every job is warmed up first (its adapter is created by a version-0 step), the two ways alternate,
 and each figure is the median of `--reps` rounds. Reported per n: seconds per round, samples/s, and
@@ -28,7 +28,7 @@ from pathlib import Path
 
 
 def _samples(rnd: random.Random, n: int, tokens: int):
-    from marlaas.engines.training import TrainSample
+    from marlaas.train.engine import TrainSample
 
     out = []
     for i in range(n):
@@ -41,10 +41,11 @@ def _samples(rnd: random.Random, n: int, tokens: int):
 def run(args) -> dict:
     import torch
 
-    from marlaas.engines.training import TrainingEngine
-    from marlaas.pretrain import ensure_base
+    from marlaas.base.pretrain import ensure_base
     from marlaas.settings import get_settings
     from marlaas.spec import JobSpec, LoraSpec, RLSpec
+    from marlaas.train.engine import TrainingEngine
+    from marlaas.train.fused import step_fused
 
     settings = get_settings()
     base = ensure_base(settings.base_path, preset=settings.base_preset, progress=False, threads=args.threads)
@@ -73,7 +74,7 @@ def run(args) -> dict:
                 version[j] += 1
             seq.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            outs = engine.step_fused([(j, version[j], specs[j], batch[j], None) for j in jobs])
+            outs = step_fused(engine, [(j, version[j], specs[j], batch[j], None) for j in jobs])
             fus.append(time.perf_counter() - t0)
             assert n == 1 or all(o.metrics.get("fused_jobs") == n for o in outs)
             for j in jobs:

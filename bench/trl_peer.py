@@ -4,11 +4,11 @@
     .venv/bin/python bench/trl_peer.py --tenants 1,2,4,8 --steps 8 --out results/trl_peer.json
 
 For each N, the N jobs of `bench/throughput.py` (same tasks `TASKS[i % 6]`, seeds, training rows via
-`marlaas.data.job_rows`, 8 prompts x 8 completions per step, 8 new tokens, temperature 1, LoRA rank 16
+`marlaas.api.rows.job_rows`, 8 prompts x 8 completions per step, 8 new tokens, temperature 1, LoRA rank 16
 alpha 32 on all linear layers, AdamW lr 1e-3, no KL) are trained by `trl.GRPOTrainer` on the same
 base model, on the CPU, one job after another in one warm process (the base is loaded once, as our
 warm workers have it loaded; each job gets a fresh LoRA). Rewards are our verifiers
-(`marlaas.rewards.score_groups`), so the work per step is the same. The makespan is the sum of the
+(`marlaas.verify.verifiers.score_groups`), so the work per step is the same. The makespan is the sum of the
 jobs' `trainer.train()` wall times; TRL runs no held-out evaluation, while our runs include one at
 versions 0 and `steps` (32 prompts): that favours TRL slightly.
 """
@@ -34,7 +34,7 @@ def job_spec(i: int, steps: int) -> JobSpec:
 
 def reward_fn(spec: JobSpec):
     """A TRL reward function scoring completions with the job's own verifier."""
-    from marlaas.rewards import score_groups
+    from marlaas.verify.verifiers import score_groups
 
     verifier = spec.verifier_name()
 
@@ -56,7 +56,7 @@ def train_one(model_path: Path, tokenizer, spec: JobSpec, out_dir: Path) -> dict
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    from marlaas.data import job_rows
+    from marlaas.api.rows import job_rows
 
     train, _ = job_rows(spec)
     ROWS[spec.tenant] = train
@@ -93,8 +93,8 @@ def main() -> None:
     import torch
     import trl
 
-    from marlaas.basemodel import load_tokenizer
-    from marlaas.pretrain import ensure_base
+    from marlaas.base.pretrain import ensure_base
+    from marlaas.base.tiny import load_tokenizer
 
     settings = get_settings()
     torch.set_num_threads(a.threads or settings.threads)

@@ -1,7 +1,7 @@
 """marlaas: multi-tenant asynchronous RL fine-tuning of LLMs as a service.
 
 Many tenants share one base model; each job trains its own LoRA adapter. Generation, verification
-and training run as decoupled Celery stations over Redis (see the README and DESIGN). This package
+and training run as decoupled Celery stations over Redis (see the README and docs/architecture.md). This package
 is the library: it never imports celery (`tasks/` and `workers/` do).
 """
 
@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name in ("Client", "Job"):
-        from marlaas import client
+        from marlaas.api import client
 
         return getattr(client, name)
     raise AttributeError(name)

@@ -36,7 +36,7 @@ def base_build(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Build and pretrain the tiny local base model (cached)."""
-    from marlaas.pretrain import build_base, ensure_base
+    from marlaas.base.pretrain import build_base, ensure_base
     from marlaas.settings import get_settings
 
     s = get_settings()
@@ -58,11 +58,11 @@ def base_push(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Put the base model into the store; workers without a local base fetch it (no shared disk)."""
-    from marlaas import basestore
+    from marlaas.base import distribution
     from marlaas.settings import get_settings
     from marlaas.store import Store
 
-    m = basestore.push(Store(), src or get_settings().base_path, url=url, replace=replace)
+    m = distribution.push(Store(), src or get_settings().base_path, url=url, replace=replace)
     out = {"name": m["name"], "hash": m["hash"], "bytes": m["bytes"], "files": len(m["files"]), "url": m["url"]}
     if not _emit(out, as_json):
         where = m["url"] or "the store"
@@ -72,11 +72,11 @@ def base_push(
 @base_app.command("fetch")
 def base_fetch(as_json: bool = typer.Option(False, "--json")):
     """Fetch the pushed base into this host's cache ($MARLAAS_HOME/cache/base); workers do it on start."""
-    from marlaas import basestore
+    from marlaas.base import distribution
     from marlaas.settings import get_settings
     from marlaas.store import Store
 
-    path = basestore.fetch(Store(), get_settings().home / "cache" / "base")
+    path = distribution.fetch(Store(), get_settings().home / "cache" / "base")
     if not _emit({"path": str(path)}, as_json):
         console.print(f"base at {path}")
 
@@ -84,38 +84,18 @@ def base_fetch(as_json: bool = typer.Option(False, "--json")):
 @app.command()
 def up(as_json: bool = typer.Option(False, "--json")):
     """Start the embedded stack (Redis, workers, beat, Flower) in the background."""
-    from marlaas import embedded
+    from marlaas.ops import embedded
 
-    url = _ensure_up(quiet=as_json)
+    url = embedded.ensure_up(quiet=as_json)
     if not _emit({"redis_url": url, "flower": "http://127.0.0.1:5555"}, as_json):
         logs = embedded.get_settings().home / "logs"
         console.print(f"stack up: Redis {url}, Flower http://127.0.0.1:5555 (logs under {logs})")
 
 
-def _ensure_up(quiet: bool = False) -> str:
-    from marlaas import embedded
-    from marlaas.pretrain import ensure_base
-    from marlaas.settings import get_settings
-
-    s = get_settings()
-    if s.redis_url:
-        return s.redis_url  # an external deployment: nothing to start here
-    ensure_base(s.base_path, preset=s.base_preset, seed=0, progress=not quiet)
-    status = None if quiet else console.status("starting the embedded stack...")
-    if status:
-        status.start()
-    try:
-        return embedded.up(progress=(lambda missing: status.update(
-            f"waiting for workers: {', '.join(missing)}" if missing else "workers up")) if status else None)
-    finally:
-        if status:
-            status.stop()
-
-
 @app.command()
 def down(as_json: bool = typer.Option(False, "--json")):
     """Stop the embedded stack."""
-    from marlaas import embedded
+    from marlaas.ops import embedded
 
     was = embedded.down()
     if not _emit({"stopped": was}, as_json):
@@ -125,7 +105,7 @@ def down(as_json: bool = typer.Option(False, "--json")):
 @app.command("redis-server", hidden=True)
 def redis_server():
     """The Procfile's redis line: run the bundled Redis in the foreground."""
-    from marlaas import embedded
+    from marlaas.ops import embedded
 
     embedded.run_redis_foreground()
 
@@ -137,7 +117,7 @@ def submit(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Submit a job described by a TOML file."""
-    from marlaas.client import Client
+    from marlaas.api.client import Client
 
     if not spec_file.is_file():
         raise MarlaasError(f"spec file not found: {spec_file}")
@@ -160,7 +140,7 @@ def status(
     """Show jobs as a table."""
     from rich.table import Table
 
-    from marlaas.client import Client
+    from marlaas.api.client import Client
 
     c = Client()
     rows = [c.job(job).status()] if job else [j.status() for j in c.jobs()]
@@ -181,7 +161,7 @@ def eval_(
     """Show a job's held-out evaluations: greedy pass@1 and sampled pass@k per adapter version."""
     from rich.table import Table
 
-    from marlaas.client import Client
+    from marlaas.api.client import Client
 
     j = Client().job(job)
     rows = j.evals()
@@ -198,7 +178,7 @@ def eval_(
 @app.command()
 def cancel(job: str, as_json: bool = typer.Option(False, "--json")):
     """Cancel a job."""
-    from marlaas.client import Client
+    from marlaas.api.client import Client
 
     Client().job(job).cancel()
     if not _emit({"job": job, "status": "cancelled"}, as_json):
@@ -213,7 +193,7 @@ def download(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Write a job's adapter as a PEFT adapter directory."""
-    from marlaas.client import Client
+    from marlaas.api.client import Client
 
     p = Client().job(job).download_adapter(out_dir, version)
     if not _emit({"job": job, "path": str(p)}, as_json):
@@ -228,7 +208,7 @@ def demo(
     json_out: Path = typer.Option(None, "--json", help="Write the summary as JSON here."),
 ):
     """Run several tenants' jobs at once on the embedded stack and report before/after accuracy."""
-    from marlaas.demo import run_demo
+    from marlaas.ops.demo import run_demo
 
     run_demo(tenants=tenants, steps=steps, max_staleness=max_staleness, json_out=json_out, console=console)
 
@@ -241,7 +221,7 @@ def report(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Write a PNG and a self-contained HTML report: rewards, accuracy, staleness, station timeline."""
-    from marlaas.report import write_report
+    from marlaas.ops.report import write_report
     from marlaas.settings import get_settings
     from marlaas.store import Store
 
@@ -288,7 +268,7 @@ def metrics_server(
     window: float = typer.Option(60.0, min=1.0, help="Seconds the station busy fractions cover."),
 ):
     """Serve Prometheus metrics at http://HOST:PORT/metrics (and /healthz) until stopped."""
-    from marlaas.metrics import make_server
+    from marlaas.ops.metrics import make_server
 
     _serve(lambda: make_server(host, port, window_s=window), host, port,
            "metrics are not served (set MARLAAS_METRICS_PORT or --port)",
@@ -303,7 +283,7 @@ def tool_server(
                                      help="Per-call latency in ms, standing for a remote tool."),
 ):
     """Serve the calculator tool of tool tasks (POST /calc {"expr": ...}) until stopped."""
-    from marlaas.tools import make_server
+    from marlaas.tools.calculator import make_server
 
     # Tool calls fail while another process holds the port (episodes get error results), unless
     # that process is a calculator too.
@@ -322,7 +302,7 @@ def tenant_add(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Register a tenant and print its API token (shown once; clients pass it as MARLAAS_TOKEN)."""
-    from marlaas import tenancy
+    from marlaas.api import tenancy
     from marlaas.store import Store
 
     store = Store()

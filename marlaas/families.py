@@ -1,8 +1,9 @@
 """Built-in task families: small verifiable tasks the tiny base model is pretrained on and RL tunes.
 
 Each family maps an *input* (a tuple) to a prompt, a reference answer and, for pretraining, a
-plausible deterministic WRONG answer (`marlaas.pretrain` labels most of its examples with it, so the
-base model knows both behaviours and RL has something to choose between; see FACTS.md).
+plausible deterministic WRONG answer (`marlaas.base.pretrain` labels most of its examples with it, so the
+base model knows both behaviours and RL has something to choose between (an undertrained base
+gave small or no RL gains).
 
 Rows are plain dicts: {"prompt", "answer"} plus "tests" for the code family. `rows()` is
 deterministic for (family, split, n, seed); the "train" and "eval" splits never share a prompt
@@ -18,7 +19,7 @@ Families (prompt -> answer):
 - add      "add:47+5=" -> "52"               math    (wrong: off by one, a+b+1)
 - code     "code:417>" -> any Python expression equal to 417, e.g. "410+7"; code verifier
            (wrong: an expression off by one, "417+1")
-- calc     "calc:47*38=" -> "1786"           tool    a multi-turn tool task (`marlaas.episodes`): the
+- calc     "calc:47*38=" -> "1786"           tool    a multi-turn tool task (`marlaas.tools.episodes`): the
            model may call a calculator, "[47*38]", generation stops at "]", the tool's result is
            appended as "=1786;" and the model goes on; the reward is an exact match of the text
            after the last tool result. Right label "[47*38]=1786;1786" (uses the tool and copies
@@ -39,6 +40,8 @@ import random
 import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from marlaas.tools.episodes import final_answer
 
 MAX_ANSWER_TOKENS = 8
 EVAL_PERCENT = 20  # share of each family's input space held out for the "eval" split
@@ -64,7 +67,7 @@ class Family:
     parse: Callable[[str], tuple] = field(repr=False)
     label: Callable[[tuple], str] | None = field(default=None, repr=False)
     tests: Callable[[tuple], list[str]] | None = field(default=None, repr=False)
-    tool: str | None = None  # a tool the episode may call (multi-turn, `marlaas.episodes`)
+    tool: str | None = None  # a tool the episode may call (multi-turn, `marlaas.tools.episodes`)
 
     def correct_label(self, x: tuple) -> str:
         """The completion pretraining teaches as right for input x."""
@@ -390,13 +393,17 @@ def _number(text: str) -> float | None:
             return None
 
 
+def tool_of(spec) -> str | None:
+    """The tool a job's episodes may call (its built-in family's), or None (single-turn)."""
+    fam = FAMILIES.get(getattr(spec, "task", None) or "")
+    return fam.tool if fam is not None else None
+
+
 def correct(name: str, prompt: str, completion: str) -> bool:
     """Reference check: is `completion` a right answer to `prompt` of family `name`?"""
     fam = get(name)
     x = fam.parse(prompt)
     if fam.tool is not None:
-        from marlaas.episodes import final_answer
-
         completion = final_answer(completion)
     if fam.verifier == "code":
         return run_tests(completion, fam.tests(x) if fam.tests else [])
@@ -416,4 +423,5 @@ __all__ = [
     "run_tests",
     "safe_eval",
     "split_of",
+    "tool_of",
 ]

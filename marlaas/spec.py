@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from marlaas.datasets_io import format_error
+from marlaas.api.datasets_io import format_error
 from marlaas.errors import SpecError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -113,7 +113,7 @@ ImportanceSpec = Annotated[TruncateIS | MaskIS | NoIS, Field(discriminator="kind
 
 
 class RLSpec(BaseModel):
-    """The policy-gradient objective (formulas in `marlaas.rl` and `marlaas.rl_variants`).
+    """The policy-gradient objective (formulas in `marlaas.train.rl` and `marlaas.train.losses`).
 
     `loss` and `importance` are tagged unions keyed by `kind`, e.g. in TOML
     `rl = {advantage = "drgrpo", aggregation = "constant", loss = {kind = "decoupled_ppo",
@@ -167,7 +167,7 @@ class JobSpec(BaseModel):
     """A built-in task family (see `marlaas.families`), or None when `dataset` is given."""
     dataset: list[dict] | str | None = None
     """Training prompts: a list of {"prompt", "answer"} rows, or a local .jsonl / .parquet file or
-    directory written by `datasets`' save_to_disk (see `marlaas.datasets_io`). Excludes `task`."""
+    directory written by `datasets`' save_to_disk (see `marlaas.api.datasets_io`). Excludes `task`."""
     eval_dataset: list[dict] | str | None = None
     """Held-out prompts, in the same forms; default: the "test"/"validation" split of a DatasetDict
     `dataset`, else 10% of `dataset` split off."""
@@ -257,7 +257,7 @@ class JobSpec(BaseModel):
     @model_validator(mode="after")
     def _task_or_dataset(self) -> JobSpec:
         from marlaas import families
-        from marlaas.rewards import check_verifier_name
+        from marlaas.verify.verifiers import check_verifier_name
 
         if (self.task is None) == (self.dataset is None):
             raise ValueError("give exactly one of 'task' (a built-in family) or 'dataset'")

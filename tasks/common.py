@@ -82,8 +82,8 @@ def register_base(path, name: str | None = None) -> None:
 
 def base_dir():
     """The base directory this worker loads (MARLAAS_BASE, else the pushed base fetched into the
-    host's cache: marlaas.basestore), recorded in the store."""
-    from marlaas.basestore import local_base
+    host's cache: marlaas.base.distribution), recorded in the store."""
+    from marlaas.base.distribution import local_base
     from marlaas.settings import get_settings
 
     path, name = local_base(get_settings(), store())

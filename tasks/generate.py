@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from marlaas import episodes, stations
+from marlaas import families
+from marlaas.generate.station import run_generate_isolated
 from marlaas.settings import get_settings
 from tasks.app import app
 from tasks.common import base_dir, kick, send, station_event, store
@@ -16,7 +17,7 @@ def engine():
     """The process's engine, created once (workers call this at start-up)."""
     global _engine
     if _engine is None:
-        from marlaas.engines.generation import make_engine
+        from marlaas.generate.factory import make_engine
 
         s = get_settings()
         base = base_dir()
@@ -29,7 +30,7 @@ def engine():
 
 @lru_cache(maxsize=65536)
 def _uses_tool(jid: str) -> bool:
-    return episodes.tool_of(store().spec(jid)) is not None
+    return families.tool_of(store().spec(jid)) is not None
 
 
 @app.task(name="marlaas.generate", ignore_result=True)
@@ -38,18 +39,7 @@ def generate(batch_id: str, items: list[list]) -> dict:
     to_verify: dict = {}
     try:
         with station_event("generate", jobs, items=len(items), batch=batch_id):
-            try:
-                to_verify = stations.run_generate(store(), engine(), items)
-            except Exception as err:
-                if len(set(jobs)) == 1:
-                    stations.count_failure(store(), jobs[0], "generate", err)
-                    raise
-                # One job's broken adapter or prompt must not stop the others: retry per job.
-                for jid in sorted(set(jobs)):
-                    try:
-                        to_verify.update(stations.run_generate(store(), engine(), [it for it in items if it[1] == jid]))
-                    except Exception as e:
-                        stations.count_failure(store(), jid, "generate", e)
+            to_verify = run_generate_isolated(store(), engine(), items)
         # A tool task's groups of the whole batch go in one message (their tool calls then overlap);
         # every other job's in its own (the CPU pool's processes share those).
         messages, tool = [], []

@@ -1,6 +1,6 @@
 """The scheduler tick: beat sends it every second; every finished task kicks one."""
 
-from marlaas import dispatch
+from marlaas.control import dispatch
 from tasks.app import app
 from tasks.common import send, store
 

@@ -10,18 +10,22 @@ Flower lists every step and a lost worker loses at most the step it was running.
 
 from __future__ import annotations
 
-from marlaas import dispatch, stations
+import logging
+
+from marlaas.control import dispatch
 from marlaas.settings import get_settings
+from marlaas.train import station
 from tasks.app import app
 from tasks.common import base_dir, kick, send, station_event, store, worker_name
 
+log = logging.getLogger("marlaas.train")
 _engine = None
 
 
 def engine():
     global _engine
     if _engine is None:
-        from marlaas.engines.training import TrainingEngine
+        from marlaas.train.engine import TrainingEngine
 
         s = get_settings()
         _engine = TrainingEngine(base_dir(), threads=s.threads, device=s.device, dtype=s.dtype)
@@ -32,7 +36,8 @@ def tick_here() -> None:
     """Run the scheduler tick in this process; kick one instead if another tick holds the lock."""
     try:
         ran = dispatch.tick(store(), send) is not None
-    except Exception:  # a failed tick here must not fail the step: the control worker ticks anyway
+    except Exception as e:  # a failed tick here must not fail the step: the control worker ticks anyway
+        log.warning("tick after the train step failed (%s: %s); kicking the control worker", type(e).__name__, e)
         ran = False
     if not ran:
         kick()
@@ -43,11 +48,11 @@ def train(job_id: str, version: int, token: str) -> dict:
     store().claim_trainer(token, f"train@{worker_name()}")
     try:
         with station_event("train", [job_id], version=version):
-            out = stations.run_train(store(), engine(), job_id, version, token)
+            out = station.run_train(store(), engine(), job_id, version, token)
     except Exception as e:
         # Free the lane at once (other tenants go on); a job that keeps failing is stopped.
         store().release_trainer(token)
-        stations.count_failure(store(), job_id, "train", e)
+        store().count_failure(job_id, "train", e)
         raise
     finally:
         tick_here()

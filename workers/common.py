@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -9,6 +10,7 @@ from celery.signals import worker_ready, worker_shutdown
 
 # A worker that stops beating for this long is dead: its trainer lease is broken (dispatch.py).
 HEARTBEAT_TTL_S = 10.0
+log = logging.getLogger("marlaas.workers")
 
 
 def limit_threads(n: int) -> None:
@@ -33,8 +35,8 @@ def announce(station: str, on_ready=None, **info) -> None:
             while not stop.is_set():
                 try:
                     store().heartbeat(name, station, ttl=HEARTBEAT_TTL_S, **info)
-                except Exception:  # the broker may be restarting; the next beat retries
-                    pass
+                except Exception as e:  # the broker may be restarting; the next beat retries
+                    log.warning("heartbeat of %s failed (%s: %s); retrying", name, type(e).__name__, e)
                 stop.wait(HEARTBEAT_TTL_S / 3)
 
         threading.Thread(target=beat, daemon=True, name="marlaas-heartbeat").start()

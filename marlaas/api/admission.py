@@ -1,0 +1,89 @@
+"""Admission: what happens to a job spec between a tenant and the store.
+
+`admit(store, tenant, spec)` is the whole path, in this order: parse and validate the spec, check it
+against the tenant's quotas, check the base model and LoRA rank against the deployment, build and
+split the rows (a built-in task's or the tenant's dataset), render prompts with the base's chat
+template, check every prompt fits the base's context, then store the job. Every refusal is one
+`MarlaasError` line and stores nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from marlaas.api import tenancy
+from marlaas.api.rows import job_rows
+from marlaas.errors import BaseModelError, SpecError
+from marlaas.settings import get_settings
+from marlaas.spec import JobSpec, parse_spec
+from marlaas.store import Store
+
+
+def admit(store: Store, tenant: str | None, spec: JobSpec | dict) -> str:
+    """Validate a tenant's job and store it; returns the job id."""
+    spec = tenancy.check_submit(store, tenant, parse_spec(spec))
+    dep = store.deployment()
+    if spec.base_model and dep.get("base_name") and spec.base_model not in (dep["base_name"], dep.get("base")):
+        raise BaseModelError(f"this deployment serves base {dep['base_name']!r}, not {spec.base_model!r}")
+    max_rank = int(dep.get("max_lora_rank") or get_settings().max_lora_rank)
+    if spec.lora.rank > max_rank:
+        raise SpecError(f"invalid job spec: lora.rank: {spec.lora.rank} exceeds the maximum {max_rank}")
+    train, held = job_rows(spec)
+    train, held, how = _chat_template(dep.get("base"), spec, train, held)
+    _check_context(dep.get("base"), spec, train, held)
+    return store.create_job(spec, train, held, info={"chat_template": how})
+
+
+@lru_cache(maxsize=4)
+def _base_tokenizer(base: str):
+    """The tokenizer of a base directory this machine can read, else None."""
+    from marlaas.base.tiny import load_tokenizer
+
+    return load_tokenizer(base) if (Path(base) / "config.json").is_file() else None
+
+
+@lru_cache(maxsize=4)
+def _base_limits(base: str):
+    """(tokenizer, context length) of a base directory this machine can read, else None."""
+    tok = _base_tokenizer(base)
+    if tok is None:
+        return None
+    n = json.loads((Path(base) / "config.json").read_text()).get("max_position_embeddings")
+    return (tok, int(n)) if n else None
+
+
+def _chat_template(base: str | None, spec: JobSpec, train: list[dict], held: list[dict]):
+    """(train, held, how): the rows with prompts rendered by the base's chat template when the base
+    has one and the job does not opt out (`datasets_io.render_chat`), so generation, training and
+    evaluation all see the same text. `how`, recorded in the job as "chat_template": "applied",
+    "off" (the job opted out), "none" (the base has no template) or "base not readable here" (the
+    submitting machine cannot read the base: prompts stay raw)."""
+    from marlaas.api.datasets_io import has_chat_template, render_chat
+
+    if spec.chat_template is False:
+        return train, held, "off"
+    tok = _base_tokenizer(base) if base else None
+    if tok is None or not has_chat_template(tok):
+        if spec.chat_template:
+            why = "is not readable on this machine" if tok is None else "has no chat template"
+            raise SpecError(f"invalid job spec: chat_template is true, but the base model {why}")
+        return train, held, "base not readable here" if tok is None else "none"
+    return render_chat(train, tok, "dataset"), render_chat(held, tok, "eval_dataset"), "applied"
+
+
+def _check_context(base: str | None, spec: JobSpec, train: list[dict], held: list[dict]) -> None:
+    """Refuse prompts that cannot fit the base's context with max_new_tokens (when the base is local)."""
+    limits = _base_limits(base) if base else None
+    if limits is None:
+        return
+    tok, ctx = limits
+    for split, rows in (("dataset", train), ("eval_dataset", held)):
+        for row in rows:
+            n = len(tok(row["prompt"])["input_ids"])
+            if n + spec.max_new_tokens > ctx:
+                raise SpecError(
+                    f"{split}: the prompt {row['prompt'][:40]!r} has {n} tokens; with max_new_tokens "
+                    f"{spec.max_new_tokens} it exceeds the base model's context of {ctx} tokens"
+                )

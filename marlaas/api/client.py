@@ -1,0 +1,166 @@
+"""The Python API: submit jobs, follow them, fetch adapters.
+
+    from marlaas import Client, JobSpec
+    client = Client()                      # the embedded stack, or MARLAAS_REDIS_URL
+    job = client.submit(JobSpec(tenant="alice", task="sort", steps=40))
+    job.wait(progress=True)
+    job.download_adapter("alice-sort")
+
+Submitting validates the spec and the rows before anything is stored: an invalid job raises one
+clear `MarlaasError` and leaves no trace. The scheduler picks a new job up on its next tick.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from marlaas.api import admission, tenancy
+from marlaas.errors import Forbidden, MarlaasError, NotFound
+from marlaas.spec import JobSpec
+from marlaas.store import Store
+from marlaas.types import TERMINAL_STATUSES, AdapterRef
+
+TERMINAL = TERMINAL_STATUSES  # (kept: callers import it from here)
+
+
+class Client:
+    """A connection to one marlaas deployment (its Redis)."""
+
+    def __init__(self, url: str | None = None, token: str | None = None):
+        self.store = Store(url)
+        self.store.check()
+        self.tenant = tenancy.resolve(self.store, token or os.environ.get("MARLAAS_TOKEN"))
+        """The caller's tenant; None in the single-user default (no tenants registered)."""
+
+    def submit(self, spec: JobSpec | dict) -> Job:
+        """Validate and enqueue a job; returns its handle."""
+        return Job(self, admission.admit(self.store, self.tenant, spec))
+
+    def job(self, job_id: str) -> Job:
+        self.record(job_id)
+        return Job(self, job_id)
+
+    def jobs(self, tenant: str | None = None) -> list[Job]:
+        """The caller's jobs (with a token: only its own tenant's)."""
+        if self.tenant is not None:
+            if tenant not in (None, self.tenant):
+                raise Forbidden(f"a token of tenant {self.tenant!r} cannot list tenant {tenant!r}")
+            tenant = self.tenant
+        return [Job(self, j) for j in self.store.job_ids(tenant)]
+
+    def record(self, job_id: str):
+        """The job's record if the caller may see it; another tenant's job is simply not found."""
+        rec = self.store.job(job_id)
+        if self.tenant is not None and rec.tenant != self.tenant:
+            raise NotFound(f"no job {job_id!r}")
+        return rec
+
+
+class Job:
+    """Handle to one submitted job."""
+
+    def __init__(self, client: Client, job_id: str):
+        self.client = client
+        self.id = job_id
+
+    def __repr__(self) -> str:
+        return f"Job({self.id!r})"
+
+    @property
+    def store(self) -> Store:
+        return self.client.store
+
+    def status(self) -> dict:
+        """Progress in one dict: status, version/steps, last mean reward and staleness, accuracies."""
+        rec = self.client.record(self.id)
+        last = self.store.metrics(self.id)[-1:] or [{}]
+        evals = self.store.evals(self.id)
+        spec = rec.spec
+        return {
+            "job": self.id,
+            "tenant": rec.tenant,
+            "task": spec.task or "dataset",
+            "status": rec.status,
+            "version": rec.version,
+            "steps": spec.steps,
+            "reward_mean": last[0].get("reward_mean"),
+            "staleness": max(last[0].get("staleness") or [0]),
+            "max_staleness": spec.max_staleness,
+            "base_acc": evals.get(0, {}).get("acc"),
+            "final_acc": evals.get(spec.steps, {}).get("acc"),
+            "regenerated": int(rec.extra.get("regenerated", 0)),
+            "verify_errors": int(rec.extra.get("verify_errors", 0)),
+            "tool_calls": int(rec.extra.get("tool_calls", 0)),  # tool tasks (marlaas.tools.agentic)
+            "tool_errors": int(rec.extra.get("tool_errors", 0)),
+            "error": rec.extra.get("error"),
+        }
+
+    def wait(self, progress: bool = False, timeout: float | None = None, poll: float = 0.5) -> dict:
+        """Block until the job ends; with progress, show a live bar. Returns the final status."""
+        deadline = None if timeout is None else time.time() + timeout
+        bar = None
+        try:
+            while True:
+                st = self.status()
+                if progress:
+                    bar = _progress(bar, st)
+                if st["status"] in TERMINAL:
+                    return st
+                if deadline is not None and time.time() > deadline:
+                    raise MarlaasError(f"job {self.id} still {st['status']} after {timeout:.0f} s")
+                self.store.wait_end(self.id, poll)  # returns as soon as the job ends
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def cancel(self) -> None:
+        """Stop the job; work in flight for it is dropped."""
+        rec = self.client.record(self.id)
+        if rec.status not in TERMINAL:
+            self.store.set_status(self.id, "cancelled")
+
+    def metrics(self) -> dict:
+        """Per-step training metrics and held-out evaluations by version: `evals[v]` holds acc
+        (greedy pass@1), n (prompts), k (samples per prompt), pass1_sampled, pass_at_k, pass_at
+        ({k: pass@k}), at, and the greedy outputs (see `marlaas.verify.evaluation`)."""
+        self.client.record(self.id)
+        return {"steps": self.store.metrics(self.id), "evals": self.store.evals(self.id)}
+
+    def evals(self) -> list[dict]:
+        """The held-out evaluations so far, one row per evaluated version (ascending), without
+        outputs: version, acc (greedy pass@1), pass1_sampled, pass_at_k, k, n, pass_at, at."""
+        from marlaas.verify.evaluation import table_row
+
+        self.client.record(self.id)
+        return [table_row(v, e) for v, e in sorted(self.store.evals(self.id).items())]
+
+    def download_adapter(self, out_dir: str | Path, version: int | None = None) -> Path:
+        """Write a published adapter version (default: the newest) as a PEFT adapter directory."""
+        from marlaas.adapters import write_adapter_dir
+
+        rec = self.client.record(self.id)
+        v = rec.version if version is None else version
+        if v == 0:
+            raise NotFound(f"job {self.id} has no trained adapter yet (version 0 is the base model itself)")
+        if v < 0 or v > rec.version:
+            raise NotFound(f"job {self.id} has versions 1..{rec.version}, not {v}")
+        blob = self.store.adapter(AdapterRef(self.id, v))
+        base = self.store.deployment().get("base")
+        return write_adapter_dir(blob, out_dir, base_path=base)
+
+
+def _progress(bar, st: dict):
+    from tqdm import tqdm
+
+    if bar is None:
+        bar = tqdm(total=st["steps"], desc=f"{st['job']} {st['task']}", unit="step")
+    bar.n = st["version"]
+    r = st["reward_mean"]
+    bar.set_postfix_str(
+        f"{st['status']} reward={r:.2f} staleness={st['staleness']}" if r is not None else st["status"],
+        refresh=False,
+    )
+    bar.refresh()
+    return bar

@@ -1,0 +1,81 @@
+"""Prompt rows of a job: built-in task families or the user's own data, validated at submit.
+
+A row is a dict with a non-empty string "prompt" and the fields its verifier needs ("answer" for
+exact / math, "tests" for code); user data is read and mapped by `marlaas.api.datasets_io`. Held-out
+rows: `eval_dataset`, else the held-out split of a DatasetDict `dataset`, else 10% of `dataset`.
+Training rows are shuffled once by the job's seed; group g of the job samples row g mod n (see
+`marlaas.generate.station.train_row_index`).
+"""
+
+from __future__ import annotations
+
+import random
+
+from marlaas.api import datasets_io
+from marlaas.api.datasets_io import Fields
+from marlaas.errors import SpecError
+from marlaas.spec import JobSpec
+
+MAX_TRAIN_ROWS_BUILTIN = 2048
+
+
+def load_rows(src: list[dict] | str, what: str = "dataset", fields: Fields = Fields(),
+              verifier: str | None = None, split: str | None = None,
+              default_splits: tuple[str, ...] = datasets_io.TRAIN_SPLITS) -> list[dict]:
+    """Rows from a list, a JSONL or parquet file or a `datasets` directory, mapped to our shape
+    (see `marlaas.api.datasets_io`); a bad row raises SpecError naming the file and line or row."""
+    return datasets_io.load(src, what, fields, verifier, split, default_splits)
+
+
+def fields_of(spec: JobSpec) -> Fields:
+    return Fields(prompt=spec.prompt_field, answer=spec.answer_field, tests=spec.tests_field)
+
+
+def job_rows(spec: JobSpec) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows) for a validated spec."""
+    verifier = spec.verifier_name()
+    if spec.task is not None:
+        from marlaas import families
+
+        n = min(spec.steps * spec.prompts_per_step, MAX_TRAIN_ROWS_BUILTIN)
+        train = families.rows(spec.task, "train", n, spec.seed)
+        held = families.rows(spec.task, "eval", spec.eval_size, spec.seed)
+    else:
+        fields = fields_of(spec)
+        train = load_rows(spec.dataset, "dataset", fields, verifier, spec.dataset_split)
+        held_split = _held_split_of_dataset(spec)
+        if spec.eval_dataset is not None:
+            held = load_rows(spec.eval_dataset, "eval_dataset", fields, verifier, spec.eval_dataset_split,
+                             datasets_io.EVAL_SPLITS)
+        elif held_split is not None:
+            held = load_rows(spec.dataset, "dataset", fields, verifier, held_split)
+        else:
+            rng = random.Random(spec.seed)
+            order = list(range(len(train)))
+            rng.shuffle(order)
+            k = max(1, len(train) // 10) if len(train) > 1 else 0
+            held = [train[i] for i in order[:k]]
+            train = [train[i] for i in order[k:]] or train
+        held = held[: spec.eval_size]
+    if not held:
+        raise SpecError("no held-out rows: give eval_dataset or at least 2 dataset rows")
+    random.Random(spec.seed).shuffle(train)
+    return train, held
+
+
+def _held_split_of_dataset(spec: JobSpec) -> str | None:
+    """With no eval_dataset and a DatasetDict `dataset`: its held-out split (`eval_dataset_split`,
+    else the first of "test", "validation" it has), unless that is the training split itself."""
+    if spec.eval_dataset is not None:
+        return None
+    splits = datasets_io.dict_splits(spec.dataset) if isinstance(spec.dataset, str) else None
+    if splits is None:
+        if spec.eval_dataset_split is not None:
+            raise SpecError("eval_dataset_split is only for a DatasetDict directory (as eval_dataset or dataset)")
+        return None
+    train_split = datasets_io.pick_split(splits, spec.dataset_split, datasets_io.TRAIN_SPLITS, "dataset")
+    if spec.eval_dataset_split is not None:
+        held = datasets_io.pick_split(splits, spec.eval_dataset_split, (), "dataset")
+    else:
+        held = next((s for s in datasets_io.EVAL_SPLITS if s in splits), None)
+    return held if held != train_split else None

@@ -1,0 +1,1 @@
+"""The one base model: the tiny built-in model, its pretraining, distribution through the store."""

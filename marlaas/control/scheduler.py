@@ -1,0 +1,256 @@
+"""Scheduling policy: pure functions of a state snapshot (no Redis, no Celery, no clock).
+
+The Celery `tick` task (tasks/scheduler.py) reads a `Snapshot` from the store under a lock, calls
+`plan()`, and carries the `Plan` out. Keeping the policy pure makes it unit-testable and lets the
+simulator in bench/ run the very same code over simulated time.
+
+Staleness by admission control (AReaL / SkyRL style). Job j with P groups per step, at published
+version t, may have dispatched at most  min((t + S + 1) * P, steps * P)  groups. Step k trains on
+exactly the groups [kP, (k+1)P). Group g (step k = g // P) can only be dispatched once
+g < (t_d + S + 1) P, i.e. at some version t_d >= k - S, and it is sampled with the version current
+when the generate task runs, v >= t_d. It trains at version t = k, so t - v <= k - t_d <= S.
+Nothing is discarded in normal operation; the train task still checks the bound and regenerates
+(never trains on) any group that would break it.
+
+Trainer lane: weighted round-robin by stride scheduling. Each job has a pass value; among jobs
+whose next step's groups are all verified, the one with the lowest pass trains next and its pass
+grows by 1 / weight. Over any window a job with weight w gets a share w / sum(w) of the steps
+(among jobs that are ready), within one step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from marlaas.types import ItemKind
+
+Item = tuple[str, str, int]  # (kind, job id, group index or version)
+
+
+@dataclass(frozen=True)
+class JobState:
+    """What the policy needs to know about one active job."""
+
+    id: str
+    version: int
+    steps: int
+    staleness: int
+    groups_per_step: int
+    group_size: int
+    dispatched: int
+    weight: float = 1.0
+    pass_value: float = 0.0
+    ready: bool = False
+    eval_rows: int = 0
+    need_eval: tuple[int, ...] = ()
+
+    @property
+    def done_training(self) -> bool:
+        return self.version >= self.steps
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The state the scheduler decides on."""
+
+    jobs: tuple[JobState, ...]
+    gen_inflight: int = 0
+    gen_capacity: int = 2
+    batch_rows: int = 256
+    trainer_free: bool = True
+    expired: tuple[Item, ...] = ()
+    min_batch_rows: int = 0  # a batch of groups ahead only (none urgent) waits until this full
+
+
+@dataclass
+class Plan:
+    """What to dispatch now."""
+
+    gen_batches: list[list[Item]] = field(default_factory=list)
+    dispatched: dict[str, int] = field(default_factory=dict)
+    verify: list[Item] = field(default_factory=list)
+    train: tuple[str, int] | None = None
+    relet: int = 0  # the first `relet` items of gen_batches are expired work dispatched again
+
+
+def admission_limit(version: int, staleness: int, groups_per_step: int, steps: int) -> int:
+    """Most groups a job may have dispatched at this version."""
+    return min((version + staleness + 1) * groups_per_step, steps * groups_per_step)
+
+
+def eval_versions(steps: int, every: int) -> list[int]:
+    """Adapter versions evaluated on the held-out set: 0 (the base), every `every`-th published
+    version (every, 2*every, ... < steps; none when every = 0) and the final one, `steps`."""
+    mid = range(every, steps, every) if every > 0 else range(0)
+    return [0, *mid, steps]
+
+
+def due_evals(version: int, steps: int, every: int) -> list[int]:
+    """The evaluated versions already published at `version` (their adapters exist): the ones an
+    evaluation may be dispatched for now. Evaluations ride in generation batches and never gate
+    a train step; the job is done once every version of `eval_versions` has its evaluation."""
+    return [v for v in eval_versions(steps, every) if v <= version]
+
+
+def evals_to_check(version: int, steps: int, every: int, window: int = 64) -> list[int]:
+    """The due evaluations a tick looks up (done? leased?): while training, version 0 and the
+    newest `window` due ones (bounds the per-tick reads of a long job with a small K; an older one
+    was seen by the ticks right after its publish, and a lost dispatch comes back by lease expiry);
+    once training is over, all of them, so a missed one is still found before the job is done."""
+    due = due_evals(version, steps, every)
+    if version >= steps or len(due) <= window + 1:
+        return due
+    return [0, *due[-window:]]
+
+
+def step_of(group: int, groups_per_step: int) -> int:
+    return group // groups_per_step
+
+
+def step_groups(step: int, groups_per_step: int) -> list[int]:
+    """The groups step `step` trains on."""
+    return list(range(step * groups_per_step, (step + 1) * groups_per_step))
+
+
+def within_staleness(train_version: int, sample_version: int, staleness: int) -> bool:
+    """Invariant 1: a rollout sampled at v may train at t only if 0 <= t - v <= S."""
+    return 0 <= train_version - sample_version <= staleness
+
+
+def trainer_order(j: JobState) -> tuple[float, tuple[int, str]]:
+    """THE trainer order, the one rule of weighted round-robin: lowest pass first, ties by id number.
+    Used by `choose_trainer`, by the order in which groups a next step lacks are generated
+    (`_groups_in_order`), and by the tick, which hands the trainer candidates to the store's script in
+    this order (the script takes the first one whose next step is fully verified)."""
+    return (j.pass_value, id_number(j.id))
+
+
+def choose_trainer(jobs: tuple[JobState, ...] | list[JobState]) -> JobState | None:
+    """Weighted round-robin: the ready job first in `trainer_order`."""
+    ready = [j for j in jobs if j.ready and not j.done_training]
+    if not ready:
+        return None
+    return min(ready, key=trainer_order)
+
+
+@lru_cache(maxsize=65536)
+def id_number(jid: str) -> tuple[int, str]:
+    """A job id's sort key: 'j12' -> (12, 'j12') (ids are 'j' + a sequence number)."""
+    digits = "".join(c for c in jid if c.isdigit())
+    return (int(digits) if digits else 0, jid)
+
+
+def _interleave(jobs: tuple[JobState, ...]) -> list[Item]:
+    """Admissible new groups of all jobs, merged so that a batch mixes tenants in proportion to their
+    weights (the k-th group of a job with weight w gets the key (k + 1) / w; equal keys go to the job
+    whose next step is blocked on generation, then to the lower pass)."""
+    return list(_interleave_iter(jobs))
+
+
+def _next_step_limit(j: JobState) -> int:
+    """Groups the job's next step trains on, all of them: [0, (version + 1) P)."""
+    return min((j.version + 1) * j.groups_per_step, j.steps * j.groups_per_step)
+
+
+def _interleave_iter(jobs: tuple[JobState, ...]):
+    """`_interleave` lazily: a heap holds each admissible job's next key, so taking m items costs
+    O(J log J + m log J) instead of materialising and sorting every admissible group of every job."""
+    def urgency(j: JobState):
+        blocked = j.dispatched < _next_step_limit(j)  # its next step lacks groups
+        return (0 if blocked else 1, *trainer_order(j))
+
+    open_jobs = [(j, admission_limit(j.version, j.staleness, j.groups_per_step, j.steps)) for j in jobs]
+    open_jobs = sorted(((j, lim) for j, lim in open_jobs if lim > j.dispatched), key=lambda x: urgency(x[0]))
+    heap = [(1.0 / j.weight, rank, 0) for rank, (j, _) in enumerate(open_jobs)]
+    heapq.heapify(heap)
+    while heap:
+        _, rank, k = heap[0]
+        j, limit = open_jobs[rank]
+        yield (ItemKind.GEN, j.id, j.dispatched + k)
+        if j.dispatched + k + 1 < limit:
+            heapq.heapreplace(heap, ((k + 2) / j.weight, rank, k + 1))
+        else:
+            heapq.heappop(heap)
+
+
+def _groups_in_order(jobs: tuple[JobState, ...], evals: list[Item]):
+    """The groups the jobs' next steps still lack, job by job in the order the trainer takes them
+    (choose_trainer's: lowest pass, then id), so that each batch completes whole steps; then
+    `evals`; then the other admissible groups interleaved across jobs by weight (starting where the
+    first pass stopped for each job)."""
+    taken: dict[str, int] = {}
+    for j in sorted((j for j in jobs if j.dispatched < _next_step_limit(j)), key=trainer_order):
+        for g in range(j.dispatched, min(_next_step_limit(j),
+                                         admission_limit(j.version, j.staleness, j.groups_per_step, j.steps))):
+            taken[j.id] = g + 1
+            yield (ItemKind.GEN, j.id, g)
+    yield from evals
+    if taken:
+        jobs = tuple(replace(j, dispatched=taken[j.id]) if j.id in taken else j for j in jobs)
+    yield from _interleave_iter(jobs)
+
+
+def _urgent(item: Item, by_id: dict[str, JobState]) -> bool:
+    """Lost work, evaluations, tool turns and the groups a job's next train step lacks."""
+    return item[0] != ItemKind.GEN or item[2] < _next_step_limit(by_id[item[1]])
+
+
+def _hold_back(batches: list[list[Item]], by_id: dict[str, JobState], min_rows: int) -> list[list[Item]]:
+    """Keep the batches that hold an urgent item or at least `min_rows` rows. Items come in priority
+    order (every urgent item before every group ahead), so the first batch that fails has only groups
+    ahead, and so have the batches after it: they wait for a later tick (nothing is dispatched, so
+    `dispatched` does not move and the same groups come back, with more of them, next time)."""
+    kept = []
+    for batch in batches:
+        if sum(_rows(it, by_id) for it in batch) < min_rows and not any(_urgent(it, by_id) for it in batch):
+            break
+        kept.append(batch)
+    return kept
+
+
+def _rows(item: Item, by_id: dict[str, JobState]) -> int:
+    j = by_id[item[1]]
+    return j.eval_rows if item[0] == ItemKind.EVAL else j.group_size
+
+
+def plan(s: Snapshot) -> Plan:
+    """Decide what to dispatch: generation batches, re-verifications and the trainer's next job."""
+    by_id = {j.id: j for j in s.jobs}
+    out = Plan()
+    expired = [it for it in s.expired if it[1] in by_id]
+    out.verify = [it for it in expired if it[0] in (ItemKind.VER, ItemKind.EVALVER)]
+
+    # Work for the generate station, in priority order: lost work first, then the groups each job's
+    # next train step still lacks (the trainer waits on them), then evaluations, then the other
+    # admissible groups; groups interleaved across jobs (one group per job per round) so that a batch
+    # mixes tenants. "cont" items (a tool episode's next model turn) arrive as leases due at once.
+    first = [it for it in expired if it[0] in (ItemKind.GEN, ItemKind.CONT, ItemKind.EVAL)]
+    expired_evals = {(it[1], it[2]) for it in first if it[0] == ItemKind.EVAL}
+    evals = [(ItemKind.EVAL, j.id, v) for j in s.jobs for v in j.need_eval if (j.id, v) not in expired_evals]
+    todo = itertools.chain(first, _groups_in_order(s.jobs, evals))  # lazy: read only what fits
+
+    free = max(0, s.gen_capacity - s.gen_inflight)
+    it = next(todo, None) if free else None
+    while it is not None and len(out.gen_batches) < free:
+        batch, rows = [], 0
+        while it is not None and (not batch or rows + _rows(it, by_id) <= s.batch_rows):
+            batch.append(it)
+            rows += _rows(it, by_id)
+            it = next(todo, None)
+        out.gen_batches.append(batch)
+    if s.min_batch_rows > 0:
+        out.gen_batches = _hold_back(out.gen_batches, by_id, s.min_batch_rows)
+    out.relet = min(len(first), sum(len(b) for b in out.gen_batches))
+    for batch in out.gen_batches:
+        for kind, jid, g in batch:
+            if kind == ItemKind.GEN and g >= by_id[jid].dispatched:
+                out.dispatched[jid] = max(out.dispatched.get(jid, 0), g + 1)
+
+    if s.trainer_free:
+        j = choose_trainer(s.jobs)
+        if j is not None:
+            out.train = (j.id, j.version)
+    return out

@@ -1,1 +1,0 @@
-"""Generation and training engines: one resident base model, per-job LoRA adapters."""

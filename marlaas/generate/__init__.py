@@ -1,0 +1,1 @@
+"""The generate station: the engine interface, its two engines (hf, vllm) and what one task does."""

@@ -1,0 +1,146 @@
+"""Generation engines: one resident base model serving many tenants' LoRA adapter versions.
+
+Two implementations share one interface (`GenerationEngine`):
+
+- `HFEngine` (`marlaas.generate.hf`): transformers + PEFT, fp32, mixed-adapter batches via
+  PEFT's per-row `adapter_names`.
+- `VLLMEngine` (`marlaas.generate.vllm`): vLLM's `LLM` in-process with `enable_lora=True`,
+  one `LoRARequest` (fresh `lora_int_id`) per adapter version.
+
+Contract, common to both:
+
+- `generate(requests)` returns one `GenResult` per request, in request order, with `n` completions.
+  Requests may differ in adapter, temperature, max_new_tokens and greedy; they are served in as few
+  engine calls as the engine allows (HF: one call per (temperature, max_new_tokens, greedy) group;
+  vLLM: one call for everything).
+- `Completion.token_ids` include the EOS token when the model emitted one (`finished=True`);
+  `Completion.text` is the decoded completion without EOS and special tokens. A completion cut by
+  `max_new_tokens` has `finished=False`.
+- `Completion.logprobs[i]` is the log-probability of `token_ids[i]` under the distribution sampled
+  from: log_softmax(logits / temperature), or log_softmax(logits) for greedy rows. No top-k/top-p is
+  ever applied.
+- Adapters are fetched lazily through `adapter_source(ref) -> AdapterBlob` on the first request that
+  uses a ref, kept in an LRU of `max_adapters` versions, and `serves(ref)` says whether that version
+  is loaded in the engine right now (vLLM: checked against the engine's own list of LoRA ids).
+  `adapter=None` is served by the base model.
+- Each engine honours a `threads` budget (several worker processes share few cores).
+
+Tokenization: both engines tokenize prompts and decode completions with `load_tokenizer(base_path)`,
+and vLLM gets token ids (never text). `AutoTokenizer` is not safe for the project's own base: for
+model_type "qwen2", transformers 5 always builds `Qwen2Tokenizer` (byte-level BPE pre-tokenizer),
+which silently drops the character tokenizer's spaces and newlines; vLLM's tokenizer loader does the
+same.
+
+Adapters travel as `AdapterBlob`s in the one PEFT-directory format of `marlaas.adapters`
+(`write_adapter_dir` writes a blob as a PEFT adapter directory).
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+
+from marlaas.base.tiny import load_tokenizer  # noqa: F401  (re-exported: engines import it from here)
+from marlaas.types import AdapterBlob, AdapterRef, GenRequest, GenResult
+
+AdapterSource = Callable[[AdapterRef], AdapterBlob]
+
+
+
+class GenerationEngine(ABC):
+    """Serves completions for many adapter versions of one base model."""
+
+    kind: str = "abstract"
+
+    def __init__(self, adapter_source: AdapterSource, *, max_adapters: int = 64) -> None:
+        if max_adapters < 1:
+            raise ValueError("max_adapters must be >= 1")
+        self.adapter_source = adapter_source
+        self.max_adapters = max_adapters
+
+    @abstractmethod
+    def generate(self, requests: list[GenRequest], *, ignore_eos: bool = False) -> list[GenResult]:
+        """One GenResult per request, same order, `n` completions each.
+
+        `ignore_eos=True` keeps sampling after EOS until max_new_tokens (benchmarks only: every row
+        then does the same amount of work); EOS is then an ordinary token and `finished` is False.
+        """
+
+    @abstractmethod
+    def serves(self, ref: AdapterRef) -> bool:
+        """True when this adapter version is loaded in the engine right now."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the model (and the engine's resources)."""
+
+    def loaded(self) -> list[AdapterRef]:
+        """The adapter versions currently cached, least recently used first."""
+        return []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared by both engines.
+
+
+def safe_adapter_name(ref: AdapterRef, uid: int) -> str:
+    """A unique name valid as a PEFT adapter name (no '.') derived from the ref and a fresh uid."""
+    return f"a{uid}_" + re.sub(r"[^A-Za-z0-9_@-]", "_", ref.name)
+
+
+def group_requests_by_adapter_budget(requests: list[GenRequest], max_adapters: int) -> Iterable[list[int]]:
+    """Split request indices into consecutive chunks that use at most `max_adapters` distinct adapters."""
+    chunk: list[int] = []
+    seen: set[AdapterRef] = set()
+    for i, r in enumerate(requests):
+        if r.adapter is not None and r.adapter not in seen and len(seen) >= max_adapters:
+            yield chunk
+            chunk, seen = [], set()
+        chunk.append(i)
+        if r.adapter is not None:
+            seen.add(r.adapter)
+    if chunk:
+        yield chunk
+
+
+def stop_token_ids(tokenizer, stop: tuple[str, ...] | list[str]) -> list[int]:
+    """The token id of each stop string; ValueError when one is not exactly one token."""
+    out = []
+    for s in stop:
+        ids = tokenizer(s, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1 or ids[0] == tokenizer.unk_token_id:
+            raise ValueError(f"stop string {s!r} is not one token of this tokenizer")
+        out.append(ids[0])
+    return out
+
+
+def validate_requests(requests: list[GenRequest]) -> None:
+    for r in requests:
+        if r.n < 1:
+            raise ValueError(f"request {r.key!r}: n must be >= 1")
+        if r.max_new_tokens < 1:
+            raise ValueError(f"request {r.key!r}: max_new_tokens must be >= 1")
+        if not r.greedy and not r.temperature > 0:
+            raise ValueError(f"request {r.key!r}: temperature must be > 0 unless greedy")
+
+
+def eos_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """EOS ids: the tokenizer's plus the model generation_config's."""
+    ids: set[int] = set()
+    eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)

@@ -1,0 +1,346 @@
+"""transformers + PEFT generation engine (the CPU default: faster than vLLM's CPU LoRA path here).
+
+One resident base (float32 on the CPU, bfloat16 on a GPU: MARLAAS_DEVICE, MARLAAS_DTYPE) wrapped in
+a PeftModel that holds up to `max_adapters` adapter versions. A job's new version is written in
+place into the slot of its previous version (same LoRA shape), or once the cache is full into the
+least recently used slot, instead of PEFT's add/delete, whose cost grows with the adapters
+registered (`_ensure`).
+Requests are grouped by (temperature, max_new_tokens, greedy, stop); each group is one `generate`
+call over all its rows (each request's prompt repeated `n` times, left-padded; the group's stop
+tokens act as extra EOS ids, but only EOS marks a completion `finished`):
+
+- every row on one adapter: the stacked path below with one adapter (PEFT's `set_adapter` walks
+  every registered adapter: 0.15 s per call with 64 registered); `set_adapter` with
+  `mixed_path="peft"`;
+- every row on the base: `stacked_lora.base_only` (PEFT's `disable_adapter()` without its grad bookkeeping);
+- mixed (default `mixed_path="stacked"`): every adapter of the batch in one pair of batched matmuls
+  per LoRA layer (`marlaas.generate.stacked_lora`; figures in results/generation_engines.json);
+- mixed with `mixed_path="peft"` (or adapters the stacked path refuses, e.g. DoRA): PEFT's per-row
+  `adapter_names` ("__base__" for base rows). peft 0.21.2 leaves its forward pre-hooks registered
+  when such a call raises, so every failure purges them (`_purge_row_hooks`).
+
+Log-probs are `log_softmax` of the scores the sampler actually used (transformers' processed
+scores: logits / temperature when sampling, raw logits when greedy); top-k and top-p are disabled
+explicitly so a model's generation_config defaults (e.g. top_k=50) never apply.
+
+Seeds: if any request of a group carries a seed, the group samples under a forked torch RNG seeded
+with a value derived from all seeds of that group (in order) and the group's settings, so the same
+call is reproducible; the process-wide RNG is left untouched. Rows are not independent streams:
+changing one request of a group changes the samples of the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+from collections import OrderedDict
+from pathlib import Path
+
+from marlaas.adapters import lora_config_from_dict
+from marlaas.generate.engine import (
+    AdapterSource,
+    GenerationEngine,
+    eos_token_ids,
+    group_requests_by_adapter_budget,
+    load_tokenizer,
+    safe_adapter_name,
+    stop_token_ids,
+    validate_requests,
+)
+from marlaas.generate.stacked_lora import StackedLoRAUnsupported, base_only, stacked_lora
+from marlaas.types import AdapterRef, Completion, GenRequest, GenResult
+
+BASE = "__base__"
+
+
+def _set_threads(n: int) -> None:
+    import torch
+
+    # torch._C.set_num_threads, not torch.set_num_threads: vLLM's CPU worker replaces the latter with
+    # a no-op in any process that started a vLLM engine.
+    torch._C.set_num_threads(max(1, int(n)))
+
+
+def _purge_row_hooks(model) -> int:
+    """Remove PEFT's per-row `adapter_names` forward pre-hooks left behind by a failed call."""
+    from peft.tuners.lora import model as lora_model
+
+    target = getattr(lora_model, "_adapter_names_pre_forward_hook", None)
+    removed = 0
+    for module in model.modules():
+        hooks = module._forward_pre_hooks
+        for hid, hook in list(hooks.items()):
+            if isinstance(hook, functools.partial) and hook.func is target:
+                del hooks[hid]
+                module._forward_pre_hooks_with_kwargs.pop(hid, None)
+                removed += 1
+    return removed
+
+
+def _derive_seed(seeds: list[int], salt: tuple) -> int:
+    h = 1469598103934665603
+    for v in (*seeds, *[hash(x) & 0xFFFFFFFF for x in salt]):
+        h = ((h ^ (int(v) & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+class HFEngine(GenerationEngine):
+    kind = "hf"
+
+    def __init__(
+        self,
+        base_path: str | Path,
+        adapter_source: AdapterSource,
+        *,
+        threads: int = 1,
+        max_adapters: int = 64,
+        max_rows_per_call: int = 1024,
+        mixed_path: str = "stacked",
+        device: str = "cpu",
+        dtype: str = "auto",
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from marlaas.devices import resolve_device, resolve_dtype
+
+        super().__init__(adapter_source, max_adapters=max_adapters)
+        self.threads = threads
+        self.max_rows_per_call = max_rows_per_call
+        if mixed_path not in ("stacked", "peft"):
+            raise ValueError(f"mixed_path must be 'stacked' or 'peft', not {mixed_path!r}")
+        self.mixed_path = mixed_path
+        _set_threads(threads)
+        self.tokenizer = load_tokenizer(base_path)
+        self.device = resolve_device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=resolve_dtype(dtype, self.device))
+        self.model.to(self.device)
+        self.model.eval()
+        self.eos_ids = eos_token_ids(self.tokenizer, self.model.generation_config)
+        self.peft = None  # PeftModel, created with the first adapter
+        self._cache: OrderedDict[AdapterRef, str] = OrderedDict()
+        self._shape: dict[str, str] = {}  # adapter name -> its LoRA config (JSON): slots are reused by shape
+        self._lora_layers: dict | None = None  # module path -> LoraLayer, found once
+        self._uid = itertools.count(1)
+
+    # -- adapters --------------------------------------------------------------------------------
+
+    def serves(self, ref: AdapterRef) -> bool:
+        name = self._cache.get(ref)
+        return name is not None and self.peft is not None and name in self.peft.peft_config
+
+    def loaded(self) -> list[AdapterRef]:
+        return list(self._cache)
+
+    def _ensure(self, ref: AdapterRef, keep: frozenset = frozenset()) -> str:
+        """The registered name serving `ref`, loading it if needed. A new version takes over, in
+        place, the slot of an older version of the same job (generation always samples with a
+        job's newest version; an evaluation of the older one loads it again), else the least
+        recently used slot once the cache is full; `keep`, the refs the current batch uses, are
+        never taken over."""
+        if ref in self._cache:
+            self._cache.move_to_end(ref)
+            return self._cache[ref]
+        from peft import PeftModel, set_peft_model_state_dict
+        from safetensors.torch import load
+
+        blob = self.adapter_source(ref)
+        state = load(blob.weights)
+        shape = json.dumps(blob.config, sort_keys=True)
+        older = next(((r, n) for r, n in self._cache.items()  # least recently used first
+                      if r.job_id == ref.job_id and r.version < ref.version and r not in keep), None)
+        lru = next(iter(self._cache.items())) if len(self._cache) >= self.max_adapters else None
+        for old_ref, old in [c for c in (older, lru) if c is not None]:
+            if old_ref not in keep and self._shape.get(old) == shape and self._overwrite(old, state):
+                del self._cache[old_ref]
+                self._cache[ref] = old
+                return old
+        name = safe_adapter_name(ref, next(self._uid))
+        cfg = lora_config_from_dict(blob.config)
+        if self.peft is None:
+            self.peft = PeftModel(self.model, cfg, adapter_name=name)
+        else:
+            self.peft.add_adapter(name, cfg)
+        result = set_peft_model_state_dict(self.peft, state, adapter_name=name)
+        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        missing = [k for k in getattr(result, "missing_keys", []) or [] if name in k]
+        if unexpected or missing:
+            self.peft.delete_adapter(name)
+            raise ValueError(
+                f"adapter {ref.name}: weights do not match its config "
+                f"(unexpected {unexpected[:3]}, missing {missing[:3]})"
+            )
+        self.peft.eval()
+        self._lora_layers = None  # new targets may have added LoRA layers: found again when needed
+        self._cache[ref] = name
+        self._shape[name] = shape
+        while len(self._cache) > self.max_adapters:
+            _, old = self._cache.popitem(last=False)
+            self.peft.delete_adapter(old)
+            self._shape.pop(old, None)
+        return name
+
+    def _layers(self) -> dict:
+        """Module path -> LoRA layer of the PeftModel, found once per set of targets (walking the
+        modules grows with the adapters registered)."""
+        if self._lora_layers is None:
+            from peft.tuners.lora import LoraLayer
+
+            self._lora_layers = {n: m for n, m in self.peft.named_modules() if isinstance(m, LoraLayer)}
+        return self._lora_layers
+
+    def _overwrite(self, name: str, state: dict) -> bool:
+        """Write an adapter's weights into the slot of registered adapter `name` (same LoRA config),
+        in place: PEFT's add_adapter + set_peft_model_state_dict walk every module of the model,
+        whose count grows with the adapters registered (0.07 s per load with 1 registered, 0.56 s
+        with 64, profiled), while this is one tensor copy per weight. False (nothing written) when
+        a key is not a plain lora_A / lora_B weight of a LoRA layer (e.g. DoRA): the caller then
+        loads the slow way."""
+        layers = self._layers()
+        dests = []
+        for key, tensor in state.items():
+            prefix, _, leaf = key.rpartition(".")  # "<layer path>.lora_A" / "weight"
+            path, _, kind = prefix.rpartition(".")
+            layer = layers.get(path)
+            if leaf != "weight" or kind not in ("lora_A", "lora_B") or layer is None \
+                    or name not in getattr(layer, kind):
+                return False
+            dest = getattr(layer, kind)[name].weight
+            if dest.shape != tensor.shape:
+                return False
+            dests.append((dest, tensor))
+        if len(dests) != sum(2 for m in layers.values() if name in m.lora_A):
+            return False  # not every weight of the slot would be replaced
+        import torch
+
+        with torch.no_grad():
+            for dest, tensor in dests:
+                dest.copy_(tensor)
+        return True
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def generate(self, requests: list[GenRequest], *, ignore_eos: bool = False) -> list[GenResult]:
+        validate_requests(requests)
+        _set_threads(self.threads)
+        results: list[GenResult | None] = [None] * len(requests)
+        for chunk in group_requests_by_adapter_budget(requests, self.max_adapters):
+            names = {}
+            keep = frozenset(requests[i].adapter for i in chunk if requests[i].adapter is not None)
+            for i in chunk:
+                ref = requests[i].adapter
+                if ref is not None and ref not in names:
+                    names[ref] = self._ensure(ref, keep)
+            groups: dict[tuple, list[int]] = {}
+            for i in chunk:
+                r = requests[i]
+                key = (True, 1.0, r.max_new_tokens) if r.greedy else (False, float(r.temperature), r.max_new_tokens)
+                groups.setdefault((*key, tuple(r.stop)), []).append(i)
+            for (greedy, temperature, max_new, stop), idxs in groups.items():
+                stop_ids = stop_token_ids(self.tokenizer, stop)
+                # Keep each call under max_rows_per_call rows (whole requests only).
+                batch: list[int] = []
+                rows = 0
+                for i in idxs:
+                    if batch and rows + requests[i].n > self.max_rows_per_call:
+                        self._run_group(requests, batch, names, greedy, temperature, max_new, ignore_eos, results,
+                                        stop_ids)
+                        batch, rows = [], 0
+                    batch.append(i)
+                    rows += requests[i].n
+                if batch:
+                    self._run_group(requests, batch, names, greedy, temperature, max_new, ignore_eos, results,
+                                    stop_ids)
+        return results  # type: ignore[return-value]
+
+    def _run_group(self, requests, idxs, names, greedy, temperature, max_new, ignore_eos, results,
+                   stop_ids=()) -> None:
+        import torch
+        from transformers import GenerationConfig
+
+        prompts: list[str] = []
+        row_adapters: list[str] = []
+        for i in idxs:
+            r = requests[i]
+            name = BASE if r.adapter is None else names[r.adapter]
+            prompts.extend([r.prompt] * r.n)
+            row_adapters.extend([name] * r.n)
+        enc = self.tokenizer(prompts, return_tensors="pt", padding=True).to(self.device)
+        # Unset fields get transformers' global defaults (top_k=50!), so truncation is switched off
+        # explicitly (top_k=0, top_p=1.0); greedy leaves the sampling-only fields alone (no warnings).
+        sampling = {} if greedy else dict(temperature=temperature, top_k=0, top_p=1.0, min_p=None, typical_p=1.0)
+        gc = GenerationConfig(
+            do_sample=not greedy,
+            **sampling,
+            repetition_penalty=1.0,
+            max_new_tokens=max_new,
+            num_beams=1,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=None if ignore_eos and not stop_ids else
+            [*([] if ignore_eos else self.eos_ids), *stop_ids],
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+        kwargs = dict(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], generation_config=gc)
+        seeds = [requests[i].seed for i in idxs if requests[i].seed is not None]
+        distinct = set(row_adapters)
+
+        def call():
+            if self.peft is None:
+                return self.model.generate(**kwargs)
+            if distinct == {BASE}:
+                with base_only(self.peft, list(self._layers().values())):
+                    return self.peft.generate(**kwargs)
+            if len(distinct) == 1 and self.mixed_path != "stacked":
+                self.peft.set_adapter(row_adapters[0])
+                return self.peft.generate(**kwargs)
+            if self.mixed_path == "stacked":  # one adapter too: PEFT's set_adapter walks every registered adapter
+                try:
+                    with stacked_lora(self.peft, row_adapters, BASE, list(self._layers().values())):
+                        return self.peft.generate(**kwargs)
+                except StackedLoRAUnsupported:
+                    pass  # e.g. DoRA: PEFT's own per-row path below
+            try:
+                return self.peft.generate(**kwargs, adapter_names=row_adapters)
+            except BaseException:
+                _purge_row_hooks(self.peft)
+                raise
+
+        with torch.inference_mode():
+            if seeds:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(_derive_seed(seeds, (greedy, temperature, max_new, len(prompts))))
+                    out = call()
+            else:
+                out = call()
+            prompt_len = enc["input_ids"].shape[1]
+            gen = out.sequences[:, prompt_len:]
+            scores = torch.stack(out.scores, dim=1).float()  # [rows, steps, vocab], processed
+            logp = torch.log_softmax(scores, dim=-1).gather(-1, gen.unsqueeze(-1)).squeeze(-1)
+
+        eos = set() if ignore_eos else set(self.eos_ids)
+        ends = eos | set(stop_ids)
+        gen_l = gen.tolist()
+        logp_l = logp.tolist()
+        row = 0
+        for i in idxs:
+            r = requests[i]
+            comps = []
+            for _ in range(r.n):
+                toks, lps = gen_l[row], logp_l[row]
+                end, finished = len(toks), False
+                for j, t in enumerate(toks):
+                    if t in ends:  # EOS finishes the completion; a stop token only ends it
+                        end, finished = j + 1, t in eos
+                        break
+                toks, lps = toks[:end], lps[:end]
+                body = toks[:-1] if finished else toks
+                text = self.tokenizer.decode(body, skip_special_tokens=True)
+                comps.append(Completion(token_ids=toks, logprobs=lps, text=text, finished=finished))
+                row += 1
+            results[i] = GenResult(key=r.key, completions=comps)
+
+    def close(self) -> None:
+        self.peft = None
+        self.model = None
+        self._cache.clear()

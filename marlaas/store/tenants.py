@@ -1,0 +1,55 @@
+"""The store's tenants, tokens (hashed) and the deployment record."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from marlaas.store.keys import (
+    ACTIVE,
+    DEPLOYMENT,
+    TENANTS,
+    TOKENS,
+    tenant_key,
+)
+
+
+class TenantOps:
+    """Tenants, tokens and the deployment (mixed into marlaas.store.Store)."""
+
+    # ---------------------------------------------------------------- tenants and tokens
+    def add_tenant(self, name: str, token_sha256: str, quotas: dict) -> bool:
+        """Register a tenant with its hashed token; False if the name exists."""
+        rec = json.dumps({"token_sha256": token_sha256, "quotas": quotas, "created": time.time()})
+        if not self.r.hsetnx(TENANTS, name, rec):
+            return False
+        self.r.hset(TOKENS, token_sha256, name)
+        return True
+
+    def tenant_for_token(self, token_sha256: str) -> str | None:
+        v = self.r.hget(TOKENS, token_sha256)
+        return v.decode() if v is not None else None
+
+    def tenant(self, name: str) -> dict | None:
+        v = self.r.hget(TENANTS, name)
+        return json.loads(v) if v is not None else None
+
+    def auth_enabled(self) -> bool:
+        return bool(self.r.hlen(TENANTS))
+
+    def count_active(self, tenant: str) -> int:
+        ids = [x.decode() for x in self.r.smembers(tenant_key(tenant))]
+        if not ids:
+            return 0
+        p = self.r.pipeline(transaction=False)
+        for j in ids:
+            p.sismember(ACTIVE, j)
+        return sum(bool(x) for x in p.execute())
+
+    def set_deployment(self, **info) -> None:
+        self.r.hset(DEPLOYMENT, mapping={k: str(v) for k, v in info.items()})
+
+    def deployment(self) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in self.r.hgetall(DEPLOYMENT).items()}
+
+

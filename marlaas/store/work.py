@@ -1,0 +1,184 @@
+"""The store's work in flight: leases, generate batches, rollouts and their attempts, evaluations."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from marlaas.settings import get_settings
+from marlaas.store.keys import (
+    GEN_INFLIGHT,
+    LEASES,
+    adapter_key,
+    eval_key,
+    evals_key,
+    item_name,
+    job_key,
+    lease_index_key,
+    parse_item,
+    roll_key,
+    verified_key,
+)
+from marlaas.types import AdapterRef, ItemKind, Rollout
+
+
+class WorkOps:
+    """Leases, rollouts, continuations and evaluations (mixed into marlaas.store.Store)."""
+
+    # ---------------------------------------------------------------- leases and dispatch
+    def lease(self, items: list[str], seconds: float, now: float | None = None, pipe=None) -> None:
+        """Lease work items until now + seconds (recorded in each job's lease index too); with
+        `pipe`, only queue the writes on that pipeline."""
+        if items:
+            until = (now or time.time()) + seconds
+            p = pipe if pipe is not None else self.r.pipeline(transaction=False)
+            p.zadd(LEASES, {i: until for i in items})
+            by_job: dict[str, list[str]] = {}
+            for i in items:
+                by_job.setdefault(i.split("|", 2)[1], []).append(i)
+            for j, names in by_job.items():
+                p.sadd(lease_index_key(j), *names)
+            if pipe is None:
+                p.execute()
+
+    def expired_leases(self, now: float) -> list[str]:
+        return [x.decode() for x in self.r.zrangebyscore(LEASES, "-inf", now)]
+
+    def leased(self, items: list[str]) -> list[bool]:
+        if not items:
+            return []
+        return [s is not None for s in self.r.zmscore(LEASES, items)]
+
+    def drop_lease(self, *items: str) -> None:
+        if items:
+            self.r.zrem(LEASES, *items)
+
+    def gen_inflight(self, now: float) -> int:
+        self.r.zremrangebyscore(GEN_INFLIGHT, "-inf", now)
+        return int(self.r.zcard(GEN_INFLIGHT))
+
+    def add_gen_batch(self, batch_id: str, seconds: float) -> None:
+        self.r.zadd(GEN_INFLIGHT, {batch_id: time.time() + seconds})
+
+    def end_gen_batch(self, batch_id: str) -> None:
+        self.r.zrem(GEN_INFLIGHT, batch_id)
+
+    def advance_dispatched(self, jid: str, new_total: int) -> None:
+        p = self.r.pipeline(transaction=True)
+        p.hset(job_key(jid), "dispatched", new_total)
+        self.sync_rows([jid], pipe=p)
+        p.execute()
+
+    # ---------------------------------------------------------------- rollouts
+    def _put_attempt(self, key: str, version: int, data: dict, done: str, next_lease: str, *extra) -> str:
+        """Store a (re)generated result under a fresh attempt id: its lease moves from generation
+        (`done`) to verification (`next_lease`); `extra` are more pipeline calls to run atomically."""
+        attempt = uuid.uuid4().hex
+        p = self.r.pipeline(transaction=True)
+        p.delete(key)
+        p.hset(key, mapping={"attempt": attempt, "version": version, "data": json.dumps(data)})
+        for method, *args in extra:
+            getattr(p, method)(*args)
+        p.zrem(LEASES, done)
+        p.zadd(LEASES, {next_lease: time.time() + get_settings().lease_s})
+        p.sadd(lease_index_key(parse_item(next_lease)[1]), next_lease)
+        p.execute()
+        return attempt
+
+    def put_rollout(self, jid: str, g: int, version: int, data: dict) -> str:
+        """Store a (re)generated group; invalidates rewards of any earlier attempt. Returns the attempt id."""
+        return self._put_attempt(roll_key(jid, g), version, data, item_name(ItemKind.GEN, jid, g),
+                                 item_name(ItemKind.VER, jid, g), ("srem", verified_key(jid), g))
+
+    def rollout(self, jid: str, g: int) -> Rollout | None:
+        h = self.r.hgetall(roll_key(jid, g))
+        if not h:
+            return None
+        d = {k.decode(): v for k, v in h.items()}
+        out = json.loads(d["data"])
+        out["attempt"] = d["attempt"].decode()
+        out["version"] = int(d["version"])
+        if b"rewards" in h and d.get("r_attempt") == d["attempt"]:
+            out["rewards"] = json.loads(d["rewards"])
+        out["awaiting_cont"] = d.get("cont") == b"1"
+        return out
+
+    # Tool episodes (marlaas.tools.agentic): verify hands a group back to generate for its next model turn
+    # ("cont" item, dispatched by the scheduler as an expired lease: deadline 0), generate stores the
+    # continued group and hands it to verify again. Both are compare-and-set on the attempt read.
+    def request_continuation(self, jid: str, g: int, attempt: str, data: dict) -> bool:
+        """Verify side: store the group with its tool results pending; lease ver -> cont (due now)."""
+        return bool(self._replace(
+            keys=[roll_key(jid, g), LEASES],
+            args=[attempt, uuid.uuid4().hex, json.dumps(data), "", "1", item_name(ItemKind.VER, jid, g),
+                  item_name(ItemKind.CONT, jid, g), 0],
+        ))
+
+    def put_continuation(self, jid: str, g: int, attempt: str, data: dict) -> bool:
+        """Generate side: store the continued group iff it still awaits this continuation; lease
+        cont -> ver. False: a duplicate or stale continuation (nothing written)."""
+        return bool(self._replace(
+            keys=[roll_key(jid, g), LEASES],
+            args=[attempt, uuid.uuid4().hex, json.dumps(data), "1", "", item_name(ItemKind.CONT, jid, g),
+                  item_name(ItemKind.VER, jid, g), time.time() + get_settings().lease_s],
+        ))
+
+    def drop_cont_lease(self, jid: str, g: int) -> bool:
+        """Drop a continuation's lease iff the group awaits none (a late duplicate or a regenerated
+        group); atomic, so a continuation requested meanwhile is never lost."""
+        return bool(self._drop_cont(keys=[roll_key(jid, g), LEASES], args=[item_name(ItemKind.CONT, jid, g)]))
+
+    def has_adapter(self, ref: AdapterRef) -> bool:
+        return ref.version == 0 or bool(self.r.exists(adapter_key(ref.job_id, ref.version)))
+
+    def accept_rewards(self, jid: str, g: int, attempt: str, rewards: dict) -> bool:
+        ok = self._accept(
+            keys=[roll_key(jid, g), verified_key(jid), LEASES],
+            args=[attempt, json.dumps(rewards), g, item_name(ItemKind.VER, jid, g)],
+        )
+        return bool(ok)
+
+    def verified(self, jid: str, groups: list[int]) -> list[bool]:
+        if not groups:
+            return []
+        return [bool(x) for x in self.r.smismember(verified_key(jid), groups)]
+
+    def invalidate_group(self, jid: str, g: int) -> None:
+        """Throw a group away so that it is generated again (counted as regenerated)."""
+        p = self.r.pipeline(transaction=True)
+        p.delete(roll_key(jid, g))
+        p.srem(verified_key(jid), g)
+        p.zrem(LEASES, item_name(ItemKind.CONT, jid, g))
+        p.zadd(LEASES, {item_name(ItemKind.GEN, jid, g): 0})
+        p.sadd(lease_index_key(jid), item_name(ItemKind.GEN, jid, g))
+        p.hincrby(job_key(jid), "regenerated", 1)
+        p.execute()
+
+    # ---------------------------------------------------------------- evaluation
+    def put_eval_rollout(self, jid: str, v: int, data: dict) -> str:
+        return self._put_attempt(eval_key(jid, v), v, data, item_name(ItemKind.EVAL, jid, v),
+                                 item_name(ItemKind.EVALVER, jid, v))
+
+    def eval_rollout(self, jid: str, v: int) -> dict | None:
+        h = self.r.hgetall(eval_key(jid, v))
+        if not h:
+            return None
+        out = json.loads(h[b"data"])
+        out["attempt"] = h[b"attempt"].decode()
+        return out
+
+    def put_eval_result(self, jid: str, v: int, result: dict) -> None:
+        p = self.r.pipeline(transaction=True)
+        p.hset(evals_key(jid), str(v), json.dumps(result))
+        p.delete(eval_key(jid, v))
+        p.zrem(LEASES, item_name(ItemKind.EVALVER, jid, v))
+        p.execute()
+
+    def evals(self, jid: str) -> dict[int, dict]:
+        return {int(k): json.loads(v) for k, v in self.r.hgetall(evals_key(jid)).items()}
+
+    def has_evals(self, jid: str, versions: list[int]) -> list[bool]:
+        return [bool(x) for x in self.r.hmget(evals_key(jid), [str(v) for v in versions])]
+
+

@@ -1,0 +1,83 @@
+"""The train station's task: one policy-gradient step of one job, then publish version t+1 once.
+
+Idempotent and Celery-free (tasks/train.py wraps it): a duplicate train is a no-op because publishing
+is a compare-and-set on the version. A group missing, unverified or past the job's staleness bound is
+regenerated, never trained on.
+"""
+
+from __future__ import annotations
+
+import time
+
+from marlaas import families
+from marlaas.control import scheduler
+from marlaas.store import Store
+from marlaas.types import AdapterRef
+
+
+def train_batch(spec, t: int, rolls: list[dict]) -> tuple[list, list[float], list[int]]:
+    """(samples, all rewards, staleness per group) of one step: group-relative advantages per group."""
+    import torch
+
+    from marlaas.train import rl
+    from marlaas.train.engine import TrainSample
+
+    samples, rewards_all, staleness = [], [], []
+    for r in rolls:
+        rewards = r["rewards"]["rewards"]
+        rewards_all += rewards
+        staleness.append(t - r["version"])
+        adv = rl.group_advantages(torch.tensor(rewards, dtype=torch.float32), mode=spec.rl.advantage)
+        if spec.rl.drop_zero_advantage and bool((adv == 0).all()):
+            continue
+        for c, a in zip(r["completions"], adv.tolist()):
+            samples.append(TrainSample(prompt=r["row"]["prompt"], completion_ids=c["ids"],
+                                       behav_logprobs=c["logprobs"], advantage=float(a),
+                                       loss_mask=c.get("mask")))  # tool episodes: 0 on tool tokens
+    return samples, rewards_all, staleness
+
+
+def run_train(store: Store, engine, jid: str, t: int, token: str) -> dict:
+    """One policy-gradient step of job `jid` at version t; publishes t+1 exactly once."""
+    from marlaas.train.engine import TrainState
+
+    status, version = store.job_fields(jid, "status", "version")
+    if status not in ("running",) or version is None or int(version) != t:
+        store.release_trainer(token)
+        return {"skipped": "not at this version (already published or job stopped)"}
+    spec = store.spec(jid)
+    groups = scheduler.step_groups(t, spec.prompts_per_step)
+    rolls = [store.rollout(jid, g) for g in groups]
+    bad = [g for g, r in zip(groups, rolls)
+           if r is None or "rewards" not in r or not scheduler.within_staleness(t, r["version"], spec.max_staleness)]
+    if bad:
+        for g in bad:
+            store.invalidate_group(jid, g)
+        store.release_trainer(token)
+        return {"skipped": f"groups {bad} missing, unverified or too stale: regenerating"}
+
+    samples, rewards_all, staleness = train_batch(spec, t, rolls)
+    state = None
+    if t > 0:
+        opt = store.optimizer_state(jid)
+        if opt is not None and opt[0] == t:
+            state = TrainState(version=t, adapter=store.adapter(AdapterRef(jid, t)), optimizer=opt[1])
+    t0 = time.time()
+    out = engine.step(jid, t, spec, samples, state)
+    metrics = dict(out.metrics)
+    metrics.update(
+        step=t + 1,
+        reward_mean=sum(rewards_all) / max(len(rewards_all), 1),
+        staleness=staleness,
+        train_s=time.time() - t0,
+        at=time.time(),
+    )
+    if families.tool_of(spec):  # tool-result tokens in this step's episodes: context, masked out of the loss
+        metrics["tool_tokens"] = sum(len(c["mask"]) - sum(c["mask"]) for r in rolls for c in r["completions"])
+    ok = store.publish(jid, t, out.adapter, out.optimizer, metrics, token, groups, spec.steps, spec.eval_every)
+    if ok and t + 1 >= spec.steps:
+        store.set_status(jid, "evaluating")
+    if not ok:
+        store.release_trainer(token)
+        return {"skipped": "version moved during the step (published elsewhere): no-op"}
+    return metrics

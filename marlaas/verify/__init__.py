@@ -1,0 +1,1 @@
+"""The verify station: verifiers, the code sandbox, held-out evaluation scoring, what one task does."""

@@ -1,0 +1,79 @@
+"""The verify station's task: score groups and held-out evaluations, accept rewards per attempt.
+
+Idempotent and Celery-free (tasks/verify.py wraps it): a duplicate verify rewrites the same rewards,
+and rewards are accepted only for the rollout attempt they were computed on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from marlaas import families
+from marlaas.control import scheduler
+from marlaas.settings import get_settings
+from marlaas.store import Store
+from marlaas.tools import agentic
+from marlaas.types import ACTIVE_STATUSES
+from marlaas.verify import evaluation
+
+log = logging.getLogger("marlaas.verify")
+
+
+def run_verify_many(store: Store, items: list[tuple[str, str, list[int]]]) -> int:
+    """Several jobs' (job, kind, idxs) in one task: the tool calls of all the tool jobs' groups go
+    out in one concurrent round (agentic.advance_many), then each item is scored as run_verify does.
+    A verify task then waits one tool latency for a whole generate batch, not one per job."""
+    tool_jobs = []
+    for jid, kind, idxs in items:
+        if kind == "train" and store.job_fields(jid, "status")[0] in ACTIVE_STATUSES \
+                and families.tool_of(store.spec(jid)):
+            tool_jobs.append((jid, [(g, r) for g in idxs if (r := store.rollout(jid, g)) is not None]))
+    advanced = agentic.advance_many(store, tool_jobs, get_settings().tool_url) if tool_jobs else {}
+    return sum(run_verify(store, jid, kind, idxs, advanced=advanced.get(jid) if kind == "train" else None)
+               for jid, kind, idxs in items)
+
+
+def run_verify(store: Store, jid: str, kind: str, idxs: list[int], advanced: list | None = None) -> int:
+    """Score groups (kind 'train') or a held-out evaluation (kind 'eval'); returns items accepted.
+    `advanced`: a tool job's groups already through their tool calls (run_verify_many)."""
+    from marlaas.verify.verifiers import score_groups
+
+    status = store.job_fields(jid, "status")[0]
+    if status not in ACTIVE_STATUSES:
+        return 0
+    spec = store.spec(jid)
+    verifier = spec.verifier_name()
+    accepted = 0
+    if kind == "train":
+        if advanced is not None:
+            rolls = advanced
+        else:
+            rolls = [(g, r) for g in idxs if (r := store.rollout(jid, g)) is not None]
+            if families.tool_of(spec):  # groups with pending tool calls go back to generate (agentic)
+                rolls = agentic.advance_groups(store, jid, rolls, get_settings().tool_url)
+        scores = score_groups(verifier, [(r["row"], [c["text"] for c in r["completions"]]) for _, r in rolls])
+        for (g, roll), res in zip(rolls, scores):
+            if res.errors:
+                store.incr_field(jid, "verify_errors", res.errors)
+                log.warning("job %s group %s: %d verifier errors: %s", jid, g, res.errors, res.error)
+            accepted += store.accept_rewards(jid, g, roll["attempt"], {"rewards": res.rewards, "errors": res.errors})
+        return accepted
+    for v in idxs:
+        ev = store.eval_rollout(jid, v)
+        if ev is None:
+            continue
+        # One scoring call per row: the greedy completion first, then its sampled ones (if any).
+        scores = score_groups(verifier, [(r["row"], [r["text"], *r.get("samples", [])]) for r in ev["rows"]])
+        sampled = [s.rewards[1:] for s in scores] if all(r.get("samples") for r in ev["rows"]) else None
+        result = evaluation.summarize([s.rewards[0] for s in scores], sampled)
+        # The greedy outputs are kept with the score: an exported adapter must reproduce them.
+        result.update(at=time.time(), outputs=[
+            {"prompt": r["row"]["prompt"], "text": r["text"], "reward": s.rewards[0],
+             "samples_correct": sum(1 for x in s.rewards[1:] if x >= evaluation.CORRECT_AT)}
+            for r, s in zip(ev["rows"], scores)])
+        store.put_eval_result(jid, v, result)
+        accepted += 1
+        if all(store.has_evals(jid, scheduler.eval_versions(spec.steps, spec.eval_every))):
+            store.set_status(jid, "done")
+    return accepted

@@ -1,0 +1,1 @@
+"""E2e tests (see tests/conftest.py for the shared fixtures)."""

@@ -1,0 +1,1 @@
+"""Integration tests (see tests/conftest.py for the shared fixtures)."""

@@ -1,0 +1,105 @@
+"""Tenancy against a real Redis: tokens, isolation and quotas; each refusal is one clear line."""
+
+import pytest
+
+from marlaas import JobSpec
+from marlaas.api.client import Client
+from marlaas.api.tenancy import Quotas, add_tenant, hash_token
+from marlaas.errors import Forbidden, NotFound, SpecError
+from marlaas.store import Store
+from marlaas.types import AdapterBlob
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture()
+def url(scratch_url):
+    return scratch_url
+
+
+def spec(**kw):
+    return JobSpec(**{"task": "sort", "steps": 2, "prompts_per_step": 2, "group_size": 4, "eval_size": 2, **kw})
+
+
+def test_single_user_mode_needs_no_token(url):
+    c = Client(url)
+    assert c.tenant is None
+    job = c.submit(spec())
+    assert c.job(job.id).status()["tenant"] == "default"
+    with pytest.raises(Forbidden, match="no tenants"):
+        Client(url, token="mt_whatever")
+
+
+def test_tokens_isolate_tenants(url):
+    store = Store(url)
+    ta = add_tenant(store, "alice")
+    tb = add_tenant(store, "bob")
+    assert store.tenant("alice")["token_sha256"] == hash_token(ta)
+    assert ta not in str(store.r.hgetall("m:tenants"))  # only the hash is stored
+    with pytest.raises(Forbidden, match="needs a tenant token"):
+        Client(url)
+    with pytest.raises(Forbidden, match="invalid token"):
+        Client(url, token="mt_forged")
+    alice, bob = Client(url, token=ta), Client(url, token=tb)
+    ja = alice.submit(spec())
+    assert ja.status()["tenant"] == "alice"  # filled in from the token
+    with pytest.raises(Forbidden, match="cannot submit jobs for tenant 'alice'"):
+        bob.submit(spec(tenant="alice"))
+    # bob can neither see, read, cancel nor download alice's job
+    with pytest.raises(NotFound):
+        bob.job(ja.id)
+    from marlaas.api.client import Job
+
+    forged = Job(bob, ja.id)
+    for call in (forged.status, forged.metrics, forged.cancel, lambda: forged.download_adapter("x")):
+        with pytest.raises(NotFound):
+            call()
+    assert [j.id for j in bob.jobs()] == []
+    with pytest.raises(Forbidden):
+        bob.jobs(tenant="alice")
+    assert [j.id for j in alice.jobs()] == [ja.id]
+    assert alice.job(ja.id).status()["status"] == "running"
+
+
+def test_quotas(url):
+    store = Store(url)
+    tok = add_tenant(store, "carol", Quotas(max_active_jobs=1, max_steps=5, max_group_size=4))
+    c = Client(url, token=tok)
+    with pytest.raises(SpecError, match="over quota: steps 6 > 5"):
+        c.submit(spec(steps=6))
+    with pytest.raises(SpecError, match="over quota: group_size 8 > 4"):
+        c.submit(JobSpec(task="sort", steps=2, group_size=8))
+    c.submit(spec())
+    with pytest.raises(SpecError, match="already runs 1 jobs"):
+        c.submit(spec())
+    with pytest.raises(SpecError, match="exists already"):
+        add_tenant(store, "carol")
+
+
+def test_adapter_download_of_own_job(url, tmp_path):
+    store = Store(url)
+    tok = add_tenant(store, "dave")
+    c = Client(url, token=tok)
+    job = c.submit(spec())
+    store.publish(job.id, 0, AdapterBlob(config={"r": 4}, weights=b"abc"), b"o", {}, "x", [], 2)
+    out = job.download_adapter(tmp_path / "a")
+    assert (out / "adapter_model.safetensors").read_bytes() == b"abc"
+
+
+def test_cli_tenant_add_and_one_line_refusals(url):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MARLAAS_REDIS_URL": url}
+    env.pop("MARLAAS_TOKEN", None)
+    cli = [sys.executable, "-m", "marlaas.cli"]
+    out = subprocess.run(cli + ["tenant", "add", "erin", "--json"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    token = json.loads(out.stdout)["token"]
+    denied = subprocess.run(cli + ["status"], env=env, capture_output=True, text=True)
+    assert denied.returncode == 2
+    assert denied.stderr.strip().count("\n") == 0 and "needs a tenant token" in denied.stderr
+    ok = subprocess.run(cli + ["status", "--json"], env={**env, "MARLAAS_TOKEN": token}, capture_output=True, text=True)
+    assert ok.returncode == 0 and json.loads(ok.stdout) == []

@@ -1,0 +1,1 @@
+"""Unit tests (see tests/conftest.py for the shared fixtures)."""

@@ -1,0 +1,190 @@
+"""Scheduler policy on hand-computed cases, plus a randomised simulation of the staleness invariant."""
+
+import random
+from collections import Counter
+
+import pytest
+
+from marlaas.control.scheduler import (
+    JobState,
+    Snapshot,
+    admission_limit,
+    choose_trainer,
+    plan,
+    step_groups,
+    within_staleness,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def job(jid="j1", **kw):
+    base = dict(id=jid, version=0, steps=10, staleness=1, groups_per_step=4, group_size=8, dispatched=0)
+    base.update(kw)
+    return JobState(**base)
+
+
+def test_admission_limit_hand_values():
+    # (t + S + 1) * P, capped at steps * P
+    assert admission_limit(0, 0, 4, 10) == 4
+    assert admission_limit(0, 1, 4, 10) == 8
+    assert admission_limit(3, 2, 8, 100) == 48
+    assert admission_limit(9, 4, 4, 10) == 40
+
+
+def test_step_groups_and_bound():
+    assert step_groups(2, 3) == [6, 7, 8]
+    assert within_staleness(5, 3, 2)
+    assert not within_staleness(5, 2, 2)
+    assert not within_staleness(2, 3, 5)  # a rollout from the future is never valid
+
+
+def test_plan_dispatches_up_to_admission_and_interleaves_jobs():
+    s = Snapshot(jobs=(job("j1"), job("j2")), gen_capacity=1, batch_rows=1000)
+    p = plan(s)
+    assert len(p.gen_batches) == 1
+    batch = p.gen_batches[0]
+    # S=1, P=4: 8 groups each; first step 0's groups job by job in trainer order (j1 then j2: equal
+    # pass, lower id first), then step 1's interleaved j1, j2, j1, j2, ...
+    assert [it[1] for it in batch[:8]] == ["j1"] * 4 + ["j2"] * 4
+    assert [it[1] for it in batch[8:12]] == ["j1", "j2", "j1", "j2"]
+    assert Counter(it[1] for it in batch) == {"j1": 8, "j2": 8}
+    assert p.dispatched == {"j1": 8, "j2": 8}
+
+
+def test_plan_respects_batch_rows_and_capacity():
+    s = Snapshot(jobs=(job("j1", staleness=0),), gen_capacity=3, gen_inflight=1, batch_rows=16)
+    p = plan(s)
+    # 4 admissible groups of 8 rows, 16 rows per batch, 2 free slots -> 2 batches of 2 groups
+    assert [len(b) for b in p.gen_batches] == [2, 2]
+    assert p.dispatched == {"j1": 4}
+
+
+def test_nothing_new_when_admission_reached():
+    s = Snapshot(jobs=(job("j1", version=2, dispatched=16),))
+    assert plan(s).gen_batches == []
+
+
+def test_expired_work_goes_first_and_verify_is_redispatched():
+    s = Snapshot(
+        jobs=(job("j1", dispatched=8),),
+        expired=(("gen", "j1", 3), ("ver", "j1", 5), ("gen", "gone", 1)),
+        batch_rows=8,
+    )
+    p = plan(s)
+    assert p.gen_batches[0] == [("gen", "j1", 3)]
+    assert p.verify == [("ver", "j1", 5)]
+
+
+def test_weighted_round_robin_shares():
+    # Stride scheduling over 300 picks: weight 2 gets twice the steps of weight 1.
+    passes = {"j1": 0.0, "j2": 0.0, "j3": 0.0}
+    weights = {"j1": 1.0, "j2": 1.0, "j3": 2.0}
+    picks = Counter()
+    for _ in range(300):
+        jobs = [job(j, ready=True, weight=weights[j], pass_value=passes[j]) for j in passes]
+        chosen = choose_trainer(jobs)
+        picks[chosen.id] += 1
+        passes[chosen.id] += 1 / weights[chosen.id]
+    assert picks == {"j1": 75, "j2": 75, "j3": 150}
+
+
+def test_trainer_only_for_ready_and_free():
+    jobs = (job("j1", ready=False), job("j2", ready=True, pass_value=5.0))
+    assert plan(Snapshot(jobs=jobs)).train == ("j2", 0)
+    assert plan(Snapshot(jobs=jobs, trainer_free=False)).train is None
+    assert choose_trainer([job("j1", ready=True, version=10, steps=10)]) is None
+
+
+def test_eval_items_are_dispatched_with_their_rows():
+    s = Snapshot(jobs=(job("j1", staleness=0, need_eval=(0,), eval_rows=64),), batch_rows=79)
+    p = plan(s)
+    # step 0's four groups (32 rows) first; 32 + 64 > 79: the evaluation opens the second batch
+    assert p.gen_batches == [[("gen", "j1", g) for g in range(4)], [("eval", "j1", 0)]]
+
+
+def test_next_steps_groups_then_evaluations_then_the_rest():
+    """The groups the trainer waits on go first, job by job in the order the trainer takes them
+    (lowest pass first), then evaluations, then the groups further ahead (interleaved by weight)."""
+    jobs = (job("j1", groups_per_step=2, need_eval=(0,), eval_rows=4, pass_value=1.0),
+            job("j2", groups_per_step=2, dispatched=1, need_eval=(0,), eval_rows=4))
+    p = plan(Snapshot(jobs=jobs, gen_capacity=1, batch_rows=1000))
+    assert p.gen_batches == [[("gen", "j2", 1), ("gen", "j1", 0), ("gen", "j1", 1),
+                              ("eval", "j1", 0), ("eval", "j2", 0),
+                              ("gen", "j2", 2), ("gen", "j1", 2), ("gen", "j2", 3), ("gen", "j1", 3)]]  # ties: pass
+    assert p.dispatched == {"j1": 4, "j2": 4}
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2, 4])
+def test_simulated_asynchrony_never_breaks_staleness(staleness):
+    """Random completion order and random version at generation time: every trained group obeys the bound."""
+    rng = random.Random(staleness)
+    P, steps = 3, 12
+    jobs = {"j1": dict(version=0, dispatched=0), "j2": dict(version=0, dispatched=0)}
+    pending: list[tuple[str, int]] = []  # dispatched, not generated yet
+    sampled: dict[tuple[str, int], int] = {}
+    trained_staleness = []
+    for _ in range(5000):
+        snap = Snapshot(
+            jobs=tuple(
+                job(j, staleness=staleness, groups_per_step=P, steps=steps, **st,
+                    ready=all((j, g) in sampled for g in step_groups(st["version"], P)))
+                for j, st in jobs.items()
+            ),
+            gen_capacity=1,
+            batch_rows=rng.choice([8, 24, 64]),
+        )
+        p = plan(snap)
+        for b in p.gen_batches:
+            pending += [(it[1], it[2]) for it in b]
+        for j, d in p.dispatched.items():
+            jobs[j]["dispatched"] = d
+        # generation happens later, at whatever version is current then
+        rng.shuffle(pending)
+        for _ in range(rng.randint(0, len(pending))):
+            j, g = pending.pop()
+            sampled[(j, g)] = jobs[j]["version"]
+        if p.train:
+            j, t = p.train
+            for g in step_groups(t, P):
+                trained_staleness.append(t - sampled[(j, g)])
+                assert within_staleness(t, sampled[(j, g)], staleness)
+            jobs[j]["version"] += 1
+        if all(st["version"] == steps for st in jobs.values()):
+            break
+    assert all(st["version"] == steps for st in jobs.values())
+    assert max(trained_staleness) <= staleness
+    if staleness > 0:
+        assert max(trained_staleness) >= 1  # asynchrony actually happened
+
+
+def test_generation_share_follows_weights():
+    s = Snapshot(jobs=(job("j1", weight=1.0, staleness=4), job("j2", weight=3.0, staleness=4)),
+                 gen_capacity=1, batch_rows=16 * 8)
+    batch = plan(s).gen_batches[0]
+    # first each job's next step (4 groups each), then the groups ahead by weight:
+    # keys j1 -> 1, 2, 3, ... ; j2 -> 1/3, 2/3, 1, 4/3, ... : 8 more groups = 6 of j2 and 2 of j1
+    assert Counter(it[1] for it in batch[:8]) == {"j2": 4, "j1": 4}
+    assert Counter(it[1] for it in batch[8:]) == {"j2": 6, "j1": 2}
+
+
+def test_groups_ahead_wait_for_a_full_batch_when_asked():
+    """min_batch_rows (generate and train on one device): a batch of groups no step waits on yet is
+    held back until it has that many rows; a batch with a group the trainer needs, or an evaluation,
+    goes at once and carries the groups ahead with it."""
+    ahead = job("j1", dispatched=4)  # step 0's groups out; step 1's (4 groups, 32 rows) ahead
+    held = plan(Snapshot(jobs=(ahead,), batch_rows=64, min_batch_rows=64))
+    assert held.gen_batches == [] and held.dispatched == {}
+    sent = plan(Snapshot(jobs=(ahead, job("j2", dispatched=4)), batch_rows=64, min_batch_rows=64))
+    assert [len(b) for b in sent.gen_batches] == [8] and sent.dispatched == {"j1": 8, "j2": 8}  # 64 rows
+    blocked = plan(Snapshot(jobs=(job("j1"),), batch_rows=1000, min_batch_rows=1000))
+    assert blocked.gen_batches == [[("gen", "j1", g) for g in range(8)]]  # step 0 needed: goes with step 1
+    ev = plan(Snapshot(jobs=(job("j1", dispatched=4, need_eval=(0,), eval_rows=4),), batch_rows=1000,
+                       min_batch_rows=1000))
+    assert ev.gen_batches == [[("eval", "j1", 0)] + [("gen", "j1", g) for g in range(4, 8)]]
+    # capacity 2 batches of 4 groups: the first holds step 0 (needed), the second only step 1's groups
+    # ahead: sent when 32 rows are enough, held when 48 are asked for
+    two = [plan(Snapshot(jobs=(job("j1", staleness=2),), gen_capacity=2, batch_rows=32, min_batch_rows=m))
+           for m in (32, 48)]
+    assert [len(b) for b in two[0].gen_batches] == [4, 4] and two[0].dispatched == {"j1": 8}
+    assert [len(b) for b in two[1].gen_batches] == [4] and two[1].dispatched == {"j1": 4}
