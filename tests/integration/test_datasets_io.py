@@ -218,7 +218,7 @@ def _base_dir(path, template):
 
 @pytest.mark.unit
 def test_client_chat_template_modes(tmp_path):
-    from marlaas.api.client import _chat_template
+    from marlaas.api.admission import _chat_template
 
     rows = [{"prompt": "p", "answer": "a"}]
     with_t = _base_dir(tmp_path / "with", TEMPLATE)
