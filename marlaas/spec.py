@@ -164,7 +164,11 @@ class JobSpec(BaseModel):
     tenant: str = Field("default", description="Tenant name (letters, digits, _ . -).")
     """Tenant that owns the job (letters, digits, '_', '.', '-'; at most 64)."""
     task: str | None = None
-    """A built-in task family (see `marlaas.families`), or None when `dataset` is given."""
+    """A built-in task family (see `marlaas.families`), or `reasoning_gym:NAME` (a task of the
+    reasoning-gym package, scored by its own scorer; see `task_config`), or None when `dataset` is given."""
+    task_config: dict | None = None
+    """Only with a `reasoning_gym:NAME` task: the task's config (e.g. {"min_terms": 2, "max_terms": 2});
+    None uses the task's defaults."""
     dataset: list[dict] | str | None = None
     """Training prompts: a list of {"prompt", "answer"} rows, or a local .jsonl / .parquet file or
     directory written by `datasets`' save_to_disk (see `marlaas.api.datasets_io`). Excludes `task`."""
@@ -257,12 +261,18 @@ class JobSpec(BaseModel):
     @model_validator(mode="after")
     def _task_or_dataset(self) -> JobSpec:
         from marlaas import families
+        from marlaas.verify import reasoning_gym
         from marlaas.verify.verifiers import check_verifier_name
 
         if (self.task is None) == (self.dataset is None):
             raise ValueError("give exactly one of 'task' (a built-in family) or 'dataset'")
-        if self.task is not None and self.task not in families.FAMILIES:
-            raise ValueError(f"unknown task {self.task!r}; built-in: {', '.join(sorted(families.FAMILIES))}")
+        if reasoning_gym.is_task(self.task):
+            reasoning_gym.parse_task(self.task, self.task_config)  # the name and the config, checked now
+        elif self.task is not None and self.task not in families.FAMILIES:
+            raise ValueError(f"unknown task {self.task!r}; built-in: {', '.join(sorted(families.FAMILIES))}, "
+                             "or 'reasoning_gym:NAME'")
+        if self.task_config is not None and not reasoning_gym.is_task(self.task):
+            raise ValueError("task_config is only for a 'reasoning_gym:NAME' task")
         if self.verifier is not None:
             check_verifier_name(self.verifier)
         if self.eval_every > self.steps:
@@ -276,7 +286,10 @@ class JobSpec(BaseModel):
             return self.verifier
         if self.task is not None:
             from marlaas import families
+            from marlaas.verify import reasoning_gym
 
+            if reasoning_gym.is_task(self.task):
+                return "reasoning_gym"
             return families.FAMILIES[self.task].verifier
         return "exact"
 

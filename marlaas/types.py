@@ -37,6 +37,7 @@ class JobStatus(StrEnum):
 
     RUNNING = "running"
     EVALUATING = "evaluating"  # training over, final evaluations pending
+    PAUSED = "paused"  # kept whole, not scheduled, until resumed (the HTTP API's pause)
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"

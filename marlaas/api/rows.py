@@ -36,10 +36,15 @@ def job_rows(spec: JobSpec) -> tuple[list[dict], list[dict]]:
     verifier = spec.verifier_name()
     if spec.task is not None:
         from marlaas import families
+        from marlaas.verify import reasoning_gym
 
         n = min(spec.steps * spec.prompts_per_step, MAX_TRAIN_ROWS_BUILTIN)
-        train = families.rows(spec.task, "train", n, spec.seed)
-        held = families.rows(spec.task, "eval", spec.eval_size, spec.seed)
+        if reasoning_gym.is_task(spec.task):  # disjoint train and held-out sets (by seed and question)
+            name, config = reasoning_gym.parse_task(spec.task, spec.task_config)
+            train, held = reasoning_gym.make_split(name, config, spec.seed, n, spec.eval_size)
+        else:
+            train = families.rows(spec.task, "train", n, spec.seed)
+            held = families.rows(spec.task, "eval", spec.eval_size, spec.seed)
     else:
         fields = fields_of(spec)
         train = load_rows(spec.dataset, "dataset", fields, verifier, spec.dataset_split)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from marlaas import families
 from marlaas.base import tiny
+from marlaas.errors import BaseModelError
 
 META_FILE = "marlaas_base.json"
 
@@ -361,14 +362,22 @@ def ensure_base(path, preset: str = "default", seed: int = 0, progress: bool = T
     path = Path(path)
     if is_current(path, preset, seed):
         return path
+    if path.is_dir() and any(path.iterdir()) and not (path / META_FILE).is_file():
+        # Builds are renamed into place whole, so a directory without the marker is not ours: a user's
+        # model directory is never written, moved or deleted.
+        raise BaseModelError(
+            f"{path} holds files that marlaas did not build; it never overwrites such a directory: build "
+            "into an empty --out, or use it as the base (MARLAAS_BASE) if it is a causal LM")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
     try:
         build_base(tmp, preset=preset, seed=seed, progress=progress, threads=threads)
         if is_current(path, preset, seed):  # someone else finished first
             return path
-        if path.exists():  # a leftover without the marker file: not a finished build
+        if path.is_dir() and (path / META_FILE).is_file():  # our own older build (another preset or recipe)
             shutil.rmtree(path)
+        elif path.is_dir():  # empty (checked above): os.replace needs it gone
+            path.rmdir()
         try:
             os.replace(tmp, path)
         except OSError:
@@ -378,6 +387,19 @@ def ensure_base(path, preset: str = "default", seed: int = 0, progress: bool = T
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def prepare_base(settings, progress: bool = True, threads: int = 2) -> Path:
+    """The deployment's base, ready to load. A base the user names (MARLAAS_BASE, anywhere but
+    `$MARLAAS_HOME/base`) is read-only to marlaas: it is checked (one clear error when it is not a
+    loadable causal LM) and never written; the tiny base is built only at marlaas's own location."""
+    from marlaas.base.importer import check_base_dir
+
+    own = settings.home / "base"
+    if settings.base is not None and Path(settings.base).resolve() != own.resolve():
+        check_base_dir(settings.base)
+        return Path(settings.base)
+    return ensure_base(own, preset=settings.base_preset, seed=0, progress=progress, threads=threads)
 
 
 def is_current(path, preset: str = "default", seed: int = 0) -> bool:

@@ -59,23 +59,19 @@ from marlaas.generate.engine import (
     stop_token_ids,
     validate_requests,
 )
+from marlaas.generate.limits import host_available_bytes, vllm_limits
 from marlaas.types import AdapterRef, Completion, GenRequest, GenResult
 
-_MiB = 1 << 20
 
-
-def _kv_cache_bytes(base_path: Path, max_num_seqs: int, max_model_len: int | None) -> tuple[int, int]:
-    """(bytes for fp32 K and V of max_num_seqs full-length sequences, with margin; max_model_len)."""
+def _engine_limits(base_path: Path, max_num_seqs: int, max_model_len: int | None) -> dict:
+    """vLLM's sizes for this model on this host (`marlaas.generate.limits.vllm_limits`): the context
+    (`max_model_len`, default min(1024, the model's)), sequences at once, and a KV cache that never
+    asks for more than a quarter of the memory the host has available."""
     cfg = json.loads((base_path / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    layers = int(cfg.get("num_hidden_layers", 32))
-    heads = int(cfg.get("num_attention_heads", 32))
-    kv_heads = int(cfg.get("num_key_value_heads", heads))
-    head_dim = int(cfg.get("head_dim") or cfg.get("hidden_size", 4096) // heads)
-    length = int(max_model_len or cfg.get("max_position_embeddings", 2048))
-    per_token = 2 * layers * kv_heads * head_dim * 4
-    need = per_token * max_num_seqs * length * 5 // 4
-    return max(64 * _MiB, -(-need // _MiB) * _MiB), length
+    text = cfg.get("text_config", cfg)
+    length = min(int(max_model_len or 1024), int(text.get("max_position_embeddings", 2048)))
+    return vllm_limits(cfg, max_prompt_tokens=max(1, length - 1), max_new_tokens=1, max_seqs_wanted=max_num_seqs,
+                       host_available_bytes=host_available_bytes())
 
 
 class VLLMEngine(GenerationEngine):
@@ -107,9 +103,8 @@ class VLLMEngine(GenerationEngine):
         from vllm import LLM
 
         base_path = Path(base_path)
-        kv_bytes, length = _kv_cache_bytes(base_path, max_num_seqs, max_model_len)
-        if kv_cache_memory_bytes is not None:
-            kv_bytes = kv_cache_memory_bytes
+        limits = _engine_limits(base_path, max_num_seqs, max_model_len)
+        kv_bytes = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else limits["kv_cache_bytes"]
         # Slots for adapters active in one step; the scheduler holds back rows of further adapters.
         self.max_loras = max_loras or min(max_adapters, 32)
         self._own_cache_dir = cache_dir is None
@@ -124,8 +119,8 @@ class VLLMEngine(GenerationEngine):
             max_lora_rank=max_lora_rank,
             max_loras=self.max_loras,
             max_cpu_loras=max(max_adapters, self.max_loras),
-            max_num_seqs=max_num_seqs,
-            max_model_len=length,
+            max_num_seqs=limits["max_num_seqs"],
+            max_model_len=limits["max_model_len"],
             kv_cache_memory_bytes=kv_bytes,
             enforce_eager=True,
             logprobs_mode="processed_logprobs",

@@ -271,12 +271,12 @@ def ensure_up(quiet: bool = False) -> str:
     embedded stack, started (base model built first if missing) with a live status line."""
     from rich.console import Console
 
-    from marlaas.base.pretrain import ensure_base
+    from marlaas.base.pretrain import prepare_base
 
     s = get_settings()
     if s.redis_url:
         return s.redis_url  # an external deployment: nothing to start here
-    ensure_base(s.base_path, preset=s.base_preset, seed=0, progress=not quiet)
+    prepare_base(s, progress=not quiet)  # a user's base is only checked, never written
     status = None if quiet else Console(stderr=True).status("starting the embedded stack...")
     if status:
         status.start()

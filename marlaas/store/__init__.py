@@ -96,7 +96,7 @@ from marlaas.store.keys import (  # noqa: F401  (re-exported: the store layer's 
     verified_key,
     worker_key,
 )
-from marlaas.store.lanes import LaneOps
+from marlaas.store.lanes import KEEP_VERSIONS_EXTRA, LaneOps  # noqa: F401  (re-exported)
 from marlaas.store.observe import ObserveOps
 from marlaas.store.tenants import TenantOps
 from marlaas.store.tick import TickOps

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+import redis
+
 from marlaas.errors import NotFound
 from marlaas.spec import JobSpec
 from marlaas.store.keys import (
@@ -130,6 +132,27 @@ class JobOps:
             p.expire(job_end_key(jid), 3600)
         self.sync_rows([jid], pipe=p)  # the scheduling table (tick.py)
         p.execute()
+
+    def transition_status(self, jid: str, allowed: tuple[str, ...], status: str) -> str | None:
+        """Set a non-terminal `status` iff the job's current one is in `allowed` (compare-and-set,
+        WATCH/MULTI); returns the status it had before (unchanged when not in `allowed`), None when
+        there is no such job. Pause and resume use it, so they never revive a job that ended meanwhile."""
+        key = job_key(jid)
+        with self.r.pipeline() as p:
+            while True:
+                try:
+                    p.watch(key)
+                    cur = p.hget(key, "status")
+                    if cur is None or cur.decode() not in allowed:
+                        p.unwatch()
+                        return None if cur is None else cur.decode()
+                    p.multi()
+                    p.hset(key, mapping={"status": status, "updated": time.time()})
+                    self.sync_rows([jid], pipe=p)  # the scheduling table (tick.py)
+                    p.execute()
+                    return cur.decode()
+                except redis.WatchError:
+                    continue  # the job changed between the read and the write: read it again
 
     def wait_end(self, jid: str, timeout: float) -> str | None:
         """Block up to `timeout` s for the job's terminal status (set_status announces it); None if

@@ -39,6 +39,13 @@ class LaneOps:
             raise NotFound(f"job {ref.job_id} has no stored adapter version {ref.version}")
         return AdapterBlob(config=json.loads(cfg), weights=w)
 
+    def existing_adapters(self, jid: str, versions: list[int]) -> list[int]:
+        """Those of `versions` whose adapter is still stored (one pipelined round trip)."""
+        p = self.r.pipeline(transaction=False)
+        for v in versions:
+            p.exists(adapter_key(jid, v))
+        return [v for v, ok in zip(versions, p.execute()) if ok]
+
     def optimizer_state(self, jid: str) -> tuple[int, bytes] | None:
         v, data = self.r.hmget(optim_key(jid), ["version", "data"])
         if v is None:

@@ -12,7 +12,7 @@ import time
 from marlaas import families
 from marlaas.control import scheduler
 from marlaas.store import Store
-from marlaas.types import AdapterRef
+from marlaas.types import AdapterRef, JobStatus
 
 
 def train_batch(spec, t: int, rolls: list[dict]) -> tuple[list, list[float], list[int]]:
@@ -76,7 +76,7 @@ def run_train(store: Store, engine, jid: str, t: int, token: str) -> dict:
         metrics["tool_tokens"] = sum(len(c["mask"]) - sum(c["mask"]) for r in rolls for c in r["completions"])
     ok = store.publish(jid, t, out.adapter, out.optimizer, metrics, token, groups, spec.steps, spec.eval_every)
     if ok and t + 1 >= spec.steps:
-        store.set_status(jid, "evaluating")
+        store.transition_status(jid, (JobStatus.RUNNING,), JobStatus.EVALUATING)  # not over a pause
     if not ok:
         store.release_trainer(token)
         return {"skipped": "version moved during the step (published elsewhere): no-op"}

@@ -3,11 +3,13 @@
 A verifier is `fn(completion: str, row: dict) -> float` (a bool counts as 0.0/1.0). Names:
 
 - `exact`: `completion.strip() == str(row["answer"]).strip()`.
-- `math`: math_verify parses the gold `row["answer"]` and the completion and compares them
-  symbolically/numerically ("7" == "7.0", "1/2" == "0.5", LaTeX...). math_verify is imported lazily
-  (sympy is slow to import). Its timeouts use SIGALRM, which only works on the main thread: there we
-  keep them (5 s); on any other thread we switch them off (math_verify would otherwise fail every
-  comparison) and the caller's task time limit is the only bound.
+- `math`: ONE final answer is extracted from the completion -- the last `\boxed{}`, else the text
+  after the last answer marker ("answer:", "answer is", "####"), else the last number that is not an
+  operand of an arithmetic expression -- and compared numerically with the gold `row["answer"]`
+  ("7" == "7.0", "1/2" == "0.5"; LaTeX answers through math_verify, on the extracted answer only).
+  Restating the question ("To find 64 + 57, ...") has no answer and scores 0 (`marlaas.verify.answers`).
+- `reasoning_gym`: a row made from a reasoning-gym task, scored by that task's own `score_answer`
+  after the same honest extraction (`marlaas.verify.reasoning_gym`).
 - `code`: `row["tests"]` is a list of Python assert statements, `row.get("entry", "expression")`:
   "expression": the completion is one Python expression, evaluated in a fresh namespace and bound to
   `result` (it must be plain data: None/bool/int/float/complex/str/bytes and lists, tuples, dicts,
@@ -35,7 +37,6 @@ import math
 import os
 import re
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,11 +44,10 @@ from marlaas.errors import VerifierError
 
 Verifier = Callable[[str, dict], "float | bool"]
 
-BUILTIN = ("exact", "math", "code", "tool")
+BUILTIN = ("exact", "math", "code", "tool", "reasoning_gym")
 _DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
 _NAME = re.compile(rf"^{_DOTTED}:{_DOTTED}$", re.ASCII)
 ALLOW_ENV = "MARLAAS_VERIFIER_MODULES"
-_MATH_TIMEOUT_S = 5
 _ERROR_MAX = 300
 
 
@@ -78,15 +78,19 @@ def exact_verifier(completion: str, row: dict) -> float:
 
 
 def math_verifier(completion: str, row: dict) -> float:
-    """1.0 when math_verify finds the completion equivalent to the gold answer."""
-    from math_verify import parse, verify
+    """1.0 when the completion's ONE extracted final answer equals the gold `row["answer"]`
+    (`marlaas.verify.answers`: last boxed answer, else an answer marker, else the last number that is
+    not an operand of a restated expression); restating the question scores 0."""
+    from marlaas.verify.answers import math_reward
 
-    timeout = _MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-    gold = parse(str(row["answer"]), parsing_timeout=timeout)
-    if not gold:
-        raise ValueError(f"cannot parse the gold answer {str(row['answer'])[:80]!r}")
-    answer = parse(completion, parsing_timeout=timeout)
-    return 1.0 if answer and verify(gold, answer, timeout_seconds=timeout) else 0.0
+    return math_reward(completion, row)
+
+
+def reasoning_gym_verifier(completion: str, row: dict) -> float:
+    """A reasoning-gym row, scored by its dataset's own `score_answer` (`marlaas.verify.reasoning_gym`)."""
+    from marlaas.verify.reasoning_gym import score
+
+    return score(completion, row)
 
 
 _EXPRESSION_PRELUDE = """\
@@ -168,7 +172,7 @@ def tool_verifier(completion: str, row: dict) -> float:
 
 
 _BUILTIN_FNS: dict[str, Verifier] = {"exact": exact_verifier, "math": math_verifier, "code": code_verifier,
-                                     "tool": tool_verifier}
+                                     "tool": tool_verifier, "reasoning_gym": reasoning_gym_verifier}
 
 
 # ---------------------------------------------------------------- registry
