@@ -13,7 +13,8 @@ Extraction rule (`extract_answer`), first that applies:
     trailing punctuation. If that text is a number, or LaTeX (contains a backslash), it is the
     answer; else if it holds numbers, the answer is the FIRST of them that is not an operand
     (below); else the text itself (a word answer);
-(c) else the LAST number in the completion that is not an operand.
+(c) else, when the whole completion is one LaTeX number (`\frac{14}{2}`), that number;
+(d) else the LAST number in the completion that is not an operand.
 
 An operand is a number joined to another number by an arithmetic operator (`+ - * / x × ÷ ^`) on
 either side: in "64 + 57" both 64 and 57 are operands, in "64 + 57 = 121" only 121 is not (`=` is
@@ -110,7 +111,7 @@ def _marker_tail(text: str) -> str | None:
 
 
 def extract_answer_rule(text: str) -> tuple[str | None, str | None]:
-    """(answer, rule) where rule is "boxed", "marker" or "number" -- which of (a), (b), (c) gave it."""
+    """(answer, rule) where rule is "boxed", "marker", "whole" or "number": which of (a)-(d) gave it."""
     if not isinstance(text, str):
         return None, None
     boxed = _last_boxed(text)
@@ -127,6 +128,9 @@ def extract_answer_rule(text: str) -> tuple[str | None, str | None]:
                 return nums[0], "marker"
             if not _numbers(tail):
                 return tail, "marker"
+    whole = _clean(text)
+    if whole.startswith("\\") and parse_number(whole) is not None:  # the completion is one LaTeX number
+        return whole, "whole"
     nums = _answer_numbers(text)
     return (nums[-1], "number") if nums else (None, None)
 
@@ -197,6 +201,8 @@ def math_reward(completion: str, row: dict) -> float:
     marker, e.g. "Paris").
     """
     gold = row["answer"]
+    if not str(gold).strip():
+        raise ValueError("cannot parse the gold answer: it is empty")
     if answers_match(extract_answer(completion), gold):
         return 1.0
     if parse_number(str(gold)) is None and isinstance(completion, str):

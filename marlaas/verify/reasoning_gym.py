@@ -21,7 +21,7 @@ reasoning-gym convention), else `marlaas.verify.answers.extract_answer` (last `\
 marker, else the last number that is not an operand of a restated expression), else -- for a
 non-numeric gold only -- the completion's last non-empty line. Two guards against restating the
 question: verbatim copies of the question are removed from the completion before extraction, and
-a bare last number (rule (c), no tag/box/marker) that is one of the question's own numbers counts
+a bare last number (rule (d), no tag/box/marker) that is one of the question's own numbers counts
 only when it is the whole completion or follows "=" ("LCM of 4 and 12" is not an answer of 12;
 "12" and "lcm(4, 12) = 12" are; "The LCM is 12" is not -- the prompt asks for the answer alone).
 A numeric answer equal to the gold is passed in the gold's own spelling ("121.0" -> "121"). Then the dataset's own
