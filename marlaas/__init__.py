@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    if name in ("Client", "Job"):
-        from marlaas.api import client
+    if name in ("Client", "Job"):  # tenants speak HTTP to the API (marlaas.api.http_client)
+        from marlaas.api import http_client
 
-        return getattr(client, name)
+        return getattr(http_client, name)
     raise AttributeError(name)

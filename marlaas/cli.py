@@ -107,9 +107,11 @@ def up(as_json: bool = typer.Option(False, "--json")):
     from marlaas.ops import embedded
 
     url = embedded.ensure_up(quiet=as_json)
-    if not _emit({"redis_url": url, "flower": "http://127.0.0.1:5555"}, as_json):
+    api_url = embedded.api_url()
+    if not _emit({"api": api_url, "redis": embedded.redact(url), "flower": "http://127.0.0.1:5555"}, as_json):
         logs = embedded.get_settings().home / "logs"
-        console.print(f"stack up: Redis {url}, Flower http://127.0.0.1:5555 (logs under {logs})")
+        console.print(f"stack up: API {api_url} (tenants), Redis {embedded.redact(url)}, "
+                      f"Flower http://127.0.0.1:5555 (logs under {logs})")
 
 
 @app.command()
@@ -120,6 +122,19 @@ def down(as_json: bool = typer.Option(False, "--json")):
     was = embedded.down()
     if not _emit({"stopped": was}, as_json):
         console.print("stack stopped" if was else "no embedded stack was running")
+
+
+@app.command()
+def api(
+    host: str = typer.Option("127.0.0.1", help="Address to bind (only the API is meant to face tenants)."),
+    port: int = typer.Option(None, help="Port (default MARLAAS_API_PORT, 8400)."),
+    open_: bool = typer.Option(None, "--open/--no-open", help="With no tenant registered, serve loopback "
+                               "requests without a token (the embedded single-user default; MARLAAS_API_OPEN)."),
+):
+    """Serve the HTTP API (the Procfile's `api` line): tenants reach marlaas only through it."""
+    from marlaas.api.server import serve
+
+    serve(host, port, open=open_)
 
 
 @app.command("redis-server", hidden=True)
@@ -137,7 +152,7 @@ def submit(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Submit a job described by a TOML file."""
-    from marlaas.api.client import Client
+    from marlaas.api.http_client import Client
 
     if not spec_file.is_file():
         raise MarlaasError(f"spec file not found: {spec_file}")
@@ -160,7 +175,7 @@ def status(
     """Show jobs as a table."""
     from rich.table import Table
 
-    from marlaas.api.client import Client
+    from marlaas.api.http_client import Client
 
     c = Client()
     rows = [c.job(job).status()] if job else [j.status() for j in c.jobs()]
@@ -181,7 +196,7 @@ def eval_(
     """Show a job's held-out evaluations: greedy pass@1 and sampled pass@k per adapter version."""
     from rich.table import Table
 
-    from marlaas.api.client import Client
+    from marlaas.api.http_client import Client
 
     j = Client().job(job)
     rows = j.evals()
@@ -198,7 +213,7 @@ def eval_(
 @app.command()
 def cancel(job: str, as_json: bool = typer.Option(False, "--json")):
     """Cancel a job."""
-    from marlaas.api.client import Client
+    from marlaas.api.http_client import Client
 
     Client().job(job).cancel()
     if not _emit({"job": job, "status": "cancelled"}, as_json):
@@ -213,7 +228,7 @@ def download(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Write a job's adapter as a PEFT adapter directory."""
-    from marlaas.api.client import Client
+    from marlaas.api.http_client import Client
 
     p = Client().job(job).download_adapter(out_dir, version)
     if not _emit({"job": job, "path": str(p)}, as_json):

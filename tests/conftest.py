@@ -79,19 +79,23 @@ def tiny_base(home) -> Path:
 
 @pytest.fixture(scope="session")
 def worker_stack(redis_stack, tiny_base, home):
-    """Real Celery worker processes (control, generate, verify, train), beat and the calculator tool
-    service of tool tasks (on a free port, 20 ms per call), from the Procfile."""
-    from marlaas.ops.embedded import free_port, wait_for_workers
+    """Real Celery worker processes (control, generate, verify, train), beat, the HTTP API (tenants'
+    door, on a free port) and the calculator tool service of tool tasks (on a free port, 20 ms per
+    call), from the Procfile."""
+    from marlaas.ops.embedded import free_port, wait_for_api, wait_for_workers
     from marlaas.store import Store
 
-    tool_port = free_port()
+    tool_port, api_port = free_port(), free_port()
+    os.environ["MARLAAS_API_URL"] = f"http://127.0.0.1:{api_port}"  # the tenants' door (marlaas.Client)
     env = {"MARLAAS_BASE": str(tiny_base), "MARLAAS_ENGINE": "hf", "MARLAAS_LEASE_S": "60",
+           "MARLAAS_API_PORT": str(api_port), "MARLAAS_API_URL": f"http://127.0.0.1:{api_port}",
            "MARLAAS_TOOL_PORT": str(tool_port), "MARLAAS_TOOL_URL": f"http://127.0.0.1:{tool_port}",
            "MARLAAS_TOOL_LATENCY_MS": "20"}
     redis_stack.env.update(env)
-    names = ("tool", "control", "generate", "verify", "train", "beat")
+    names = ("tool", "api", "control", "generate", "verify", "train", "beat")
     redis_stack.start(*names)
     wait_for_workers(Store(redis_stack.url), timeout=240)
+    wait_for_api(os.environ["MARLAAS_API_URL"])
     yield redis_stack
     for n in names:
         redis_stack.kill(n)

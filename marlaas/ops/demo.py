@@ -56,10 +56,12 @@ def _table(statuses: list[dict], final: bool = False) -> Table:
 
 def run_demo(tenants: int = 4, steps: int | None = None, max_staleness: int = 2,
              json_out: Path | None = None, console: Console | None = None) -> dict:
-    from marlaas.api.client import TERMINAL, Client
+    from marlaas.api.http_client import Client
     from marlaas.ops.embedded import ensure_up
     from marlaas.ops.timeline import busy_fractions, overlap_fraction
     from marlaas.settings import get_settings
+    from marlaas.store import Store
+    from marlaas.types import TERMINAL_STATUSES as TERMINAL
 
     console = console or Console()
     ensure_up()
@@ -77,7 +79,7 @@ def run_demo(tenants: int = 4, steps: int | None = None, max_staleness: int = 2,
     wall = time.time() - t0
     console.print(_table(sts, final=True))
 
-    events = client.store.events(since=t0)
+    events = Store().events(since=t0)  # the operator's view of the stations (this host)
     busy = busy_fractions(events, t0, t0 + wall)
     overlap = overlap_fraction(events, "generate", "train", t0, t0 + wall)
     adapters_dir = get_settings().home / "adapters"

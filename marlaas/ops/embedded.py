@@ -127,6 +127,8 @@ def stack_env(url: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     env["MARLAAS_REDIS_URL"] = url
     env["MARLAAS_HOME"] = str(s.home)
     env["PYTHONUNBUFFERED"] = "1"
+    # The embedded API binds loopback; with no tenant registered it serves the single local user.
+    env.setdefault("MARLAAS_API_OPEN", "1")
     # The Procfile's commands (marlaas, celery) come from this interpreter's environment.
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -281,8 +283,40 @@ def ensure_up(quiet: bool = False) -> str:
     if status:
         status.start()
     try:
-        return up(progress=(lambda missing: status.update(
+        url = up(progress=(lambda missing: status.update(
             f"waiting for workers: {', '.join(missing)}" if missing else "workers up")) if status else None)
+        wait_for_api(api_url())
+        return url
     finally:
         if status:
             status.stop()
+
+
+def api_url() -> str:
+    """The API's URL for tenants on this host (MARLAAS_API_URL, else the embedded one)."""
+    from marlaas.api.settings import ApiSettings
+
+    return ApiSettings().default_url
+
+
+def wait_for_api(url: str, timeout: float = 60.0) -> None:
+    """Block until the API answers its health check."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/v1/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass  # not listening yet
+        time.sleep(0.2)
+    raise MarlaasError(f"the API at {url} did not come up within {timeout:.0f} s (see the api log)")
+
+
+def redact(url: str) -> str:
+    """A URL safe to print or log: its password replaced by ***."""
+    u = urlparse(url)
+    if not u.password:
+        return url
+    return u._replace(netloc=u.netloc.replace(f":{u.password}@", ":***@", 1)).geturl()

@@ -1,6 +1,7 @@
 """End to end: several tenants at once through real generate -> verify -> train worker processes.
 
-Once with each generation engine (transformers+PEFT, then vLLM). Every job must reach its step
+Tenants submit and follow their jobs over the HTTP API. Once with each generation engine
+(transformers+PEFT, then vLLM). Every job must reach its step
 count with contiguous versions 0..steps, train only on rollouts within its staleness bound, and the
 stations must overlap in time.
 """
@@ -9,8 +10,10 @@ import time
 
 import pytest
 
-from marlaas import JobSpec
-from marlaas.api.client import Client
+from marlaas import (
+    Client,  # tenants reach the service through the HTTP API
+    JobSpec,
+)
 from marlaas.ops.embedded import wait_for_workers
 from marlaas.store import Store
 
@@ -28,7 +31,7 @@ def specs(seed0: int):
 
 
 def run_and_check(url: str, seed0: int) -> dict:
-    client = Client(url)
+    client = Client()  # the worker stack's API (MARLAAS_API_URL)
     t0 = time.time()
     jobs = [client.submit(s) for s in specs(seed0)]
     finals = [j.wait(timeout=900) for j in jobs]
@@ -42,7 +45,7 @@ def run_and_check(url: str, seed0: int) -> dict:
         assert all(0 <= x <= spec.max_staleness for s in m["steps"] for x in s["staleness"])
         assert set(m["evals"]) == {0, spec.steps}
         assert 0.0 <= m["evals"][spec.steps]["acc"] <= 1.0
-    events = client.store.events(since=t0)
+    events = Store(url).events(since=t0)  # the operator's view of the stations
     gen = [e for e in events if e["station"] == "generate"]
     train = [e for e in events if e["station"] == "train"]
     # mixed-tenant batches reached the engine
@@ -76,7 +79,7 @@ def test_three_tenants_vllm_engine(worker_stack):
 
 
 def test_a_raising_verifier_stops_only_its_own_job(worker_stack):
-    client = Client(worker_stack.url)
+    client = Client()
     rows = [{"prompt": f"max:{i}{i + 1}{i + 2}=", "answer": str(i + 2)} for i in range(7)]
     broken = client.submit(JobSpec(tenant="broken", dataset=rows, verifier="tests.helpers_verifiers:always_raises",
                                    steps=2, prompts_per_step=2, group_size=4, eval_size=2))
