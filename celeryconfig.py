@@ -42,5 +42,9 @@ beat_schedule = {
     "tick": {"task": "marlaas.tick", "schedule": 1.0, "options": {"expires": 5.0}},
 }
 
+# Celery remote control (broadcast commands such as shutdown or cancel_consumer to every worker) is
+# off: nothing in marlaas uses it, and whoever could publish to the broker could stop every worker.
+worker_enable_remote_control = False
+
 worker_hijack_root_logger = False
 timezone = "UTC"

@@ -50,9 +50,21 @@ def scratch_url(redis_url) -> str:
     from marlaas.store import Store
 
     url = redis_url.rsplit("/", 1)[0] + "/1"
-    Store(url).r.flushdb()
+    wipe(Store(url).r)
     yield url
-    Store(url).r.flushdb()
+    wipe(Store(url).r)
+
+
+def wipe(r) -> None:
+    """Delete every key of one DB (the embedded Redis refuses FLUSHDB: it is no service command)."""
+    batch = []
+    for key in r.scan_iter(count=1000):
+        batch.append(key)
+        if len(batch) >= 1000:
+            r.delete(*batch)
+            batch = []
+    if batch:
+        r.delete(*batch)
 
 
 @pytest.fixture()

@@ -18,6 +18,7 @@ never changes, and an evaluation once stored stays stored: both are remembered p
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from marlaas.settings import get_settings
 from marlaas.store import Store, item_name, parse_item
 from marlaas.types import ACTIVE_STATUSES, ItemKind
 
+log = logging.getLogger("marlaas.control")
 Send = Callable[[list[tuple[str, list]]], None]  # [(task name, args), ...] sent together
 
 
@@ -144,7 +146,7 @@ def snapshot(store: Store, now: float, memory: TickMemory = MEMORY) -> scheduler
     gen_capacity = 2 * max(1, n_gen)
     trainer_free = _trainer_free(store, state["trainer"], workers)
     jobs = view.update(store, state, memory.evals_done)
-    expired = tuple(map(parse_item, state["expired"]))
+    expired = _parse_leases(store, state["expired"])
     free = max(0, gen_capacity - state["gen_inflight"])
 
     trainer_lines = []
@@ -191,6 +193,20 @@ def snapshot(store: Store, now: float, memory: TickMemory = MEMORY) -> scheduler
         expired=expired,
         min_batch_rows=int(s.gen_min_fill * s.gen_batch_rows),
     )
+
+
+def _parse_leases(store: Store, names: list) -> tuple[scheduler.Item, ...]:
+    """Expired lease names as items; a malformed one (written past the store) is dropped and logged,
+    never fatal to scheduling."""
+    out = []
+    for name in names:
+        try:
+            kind, jid, idx = parse_item(name)
+            out.append((ItemKind(kind).value, jid, idx))
+        except ValueError:
+            log.error("dropping a malformed lease %r", name[:200] if isinstance(name, str) else name)
+            store.drop_lease(name)
+    return tuple(out)
 
 
 def _trainer_free(store: Store, lease: dict | None, workers: dict[str, dict]) -> bool:

