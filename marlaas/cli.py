@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -305,7 +306,8 @@ def metrics_server(
     """Serve Prometheus metrics at http://HOST:PORT/metrics (and /healthz) until stopped."""
     from marlaas.ops.metrics import make_server
 
-    _serve(lambda: make_server(host, port, window_s=window), host, port,
+    token = os.environ.get("MARLAAS_METRICS_TOKEN") or None
+    _serve(lambda: make_server(host, port, window_s=window, token=token), host, port,
            "metrics are not served (set MARLAAS_METRICS_PORT or --port)",
            lambda h, p: f"metrics at http://{h}:{p}/metrics")
 

@@ -15,6 +15,7 @@ Invariants: a scrape never changes the store; when Redis does not answer, /metri
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
 import time
@@ -212,8 +213,16 @@ class _StoreRef:
 
 
 def make_server(host: str = "127.0.0.1", port: int = 9109, url: str | None = None,
-                window_s: float = WINDOW_S) -> ThreadingHTTPServer:
-    """A bound (not yet serving) metrics server; port 0 picks a free port (see `server_address`)."""
+                window_s: float = WINDOW_S, token: str | None = None) -> ThreadingHTTPServer:
+    """A bound (not yet serving) metrics server; port 0 picks a free port (see `server_address`).
+
+    The metrics name every tenant's jobs: they are for the operator only. On loopback they are open
+    to the host; with `token` (MARLAAS_METRICS_TOKEN) `/metrics` needs `Authorization: Bearer <token>`,
+    and a non-loopback bind without a token is refused. Tenants read their own jobs' metrics through
+    the API."""
+    if token is None and host not in ("127.0.0.1", "localhost", "::1"):
+        raise MarlaasError(f"refusing to serve every tenant's metrics on {host} without a token: "
+                           "set MARLAAS_METRICS_TOKEN (Prometheus sends it as a bearer token)")
     ref = _StoreRef(url)
 
     class Handler(BaseHTTPRequestHandler):
@@ -222,6 +231,9 @@ def make_server(host: str = "127.0.0.1", port: int = 9109, url: str | None = Non
         def do_GET(self):  # noqa: N802 (http.server's naming)
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
+                if token is not None and not hmac.compare_digest(
+                        self.headers.get("Authorization", ""), f"Bearer {token}"):
+                    return self._send(401, "metrics need the operator's bearer token\n")
                 try:
                     snap = collect(ref.get(), window_s=window_s)
                 except StoreUnavailable as e:  # no Redis URL yet (collect handles a silent server)

@@ -8,6 +8,7 @@ import urllib.request
 
 import pytest
 
+from marlaas.errors import MarlaasError
 from marlaas.ops import metrics
 from marlaas.spec import JobSpec
 from marlaas.store import Store
@@ -268,3 +269,22 @@ def test_busy_port_keeps_the_process_up_without_serving(tmp_path):
         finally:
             os.killpg(p.pid, signal.SIGTERM)
             p.wait(timeout=10)
+
+
+def test_metrics_are_operator_only(st):
+    """Loopback by default; a token makes /metrics need it; a public bind without a token is refused."""
+    with pytest.raises(MarlaasError, match="without a token"):
+        metrics.make_server("0.0.0.0", 0, url=st.url)
+    server = metrics.make_server("127.0.0.1", 0, url=st.url, token="s3cret")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(base, timeout=10)
+        assert e.value.code == 401
+        req = urllib.request.Request(base, headers={"Authorization": "Bearer s3cret"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 200 and b"marlaas_store_up 1" in r.read()
+    finally:
+        server.shutdown()
+        server.server_close()
