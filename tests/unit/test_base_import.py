@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -11,51 +10,14 @@ import torch
 
 from marlaas.base import importer
 from marlaas.base.importer import BaseImportError, check_base_dir, import_base, lora_targets
+from tests.helpers_models import make_tiny_llama, tree_hashes
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SENTENCES = [
-    "What is 64 + 57? Reply with only the number.",
-    "The quick brown fox jumps over the lazy dog.",
-    "To find the sum we add the two numbers together: 64 + 57 = 121.",
-    "Count the letters in the word strawberry.",
-] * 20
-
-
-def _tree_hashes(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 @pytest.fixture(scope="module")
 def tiny_src(tmp_path_factory) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    src = tmp_path_factory.mktemp("src") / "tiny-llama"
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(SENTENCES, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<|im_start|>",
-                                   eos_token="<|im_end|>", pad_token="<|im_end|>")
-    fast.chat_template = CHAT_TEMPLATE
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                      bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
-    model = LlamaForCausalLM(cfg)
-    model.generation_config = GenerationConfig(eos_token_id=fast.eos_token_id, bos_token_id=fast.bos_token_id)
-    model.save_pretrained(src)
-    fast.save_pretrained(src)
-    return src
+    return make_tiny_llama(tmp_path_factory.mktemp("src") / "tiny-llama")
 
 
 def _greedy(path: Path, text: str) -> tuple[torch.Tensor, list[int]]:
@@ -71,10 +33,10 @@ def _greedy(path: Path, text: str) -> tuple[torch.Tensor, list[int]]:
 
 
 def test_import_hf_dir_loads_equal_and_leaves_source_untouched(tiny_src, tmp_path):
-    before = _tree_hashes(tiny_src)
+    before = tree_hashes(tiny_src)
     out = import_base(str(tiny_src), tmp_path / "base", progress=False)
 
-    assert _tree_hashes(tiny_src) == before
+    assert tree_hashes(tiny_src) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]  # no temp dir left behind
     assert (out / "model.safetensors").is_file()
     info = check_base_dir(out)
@@ -129,11 +91,11 @@ def test_interrupted_import_leaves_nothing(tiny_src, tmp_path, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(importer, "_save", save_then_interrupt)
-    before = _tree_hashes(tiny_src)
+    before = tree_hashes(tiny_src)
     with pytest.raises(KeyboardInterrupt):
         import_base(str(tiny_src), tmp_path / "base", progress=False)
     assert list(tmp_path.iterdir()) == []
-    assert _tree_hashes(tiny_src) == before
+    assert tree_hashes(tiny_src) == before
 
 
 def test_existing_nonempty_out_is_refused(tiny_src, tmp_path):
