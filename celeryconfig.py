@@ -38,6 +38,19 @@ task_routes = {
     "marlaas.tick": {"queue": "control"},
 }
 
+# Time limits on every task (seconds; MARLAAS_TASK_LIMIT_S scales the station tasks): the soft limit
+# raises inside the task (it fails visibly and its job is charged), the hard one kills the process
+# running it. The prefork pool (verify) enforces both; the solo pools (generate, train, control) do
+# not support them, and there the scheduler's leases re-dispatch work that runs past MARLAAS_LEASE_S.
+_LIMIT_S = float(os.environ.get("MARLAAS_TASK_LIMIT_S", "600"))
+task_annotations = {
+    "marlaas.generate": {"soft_time_limit": _LIMIT_S, "time_limit": _LIMIT_S + 60},
+    "marlaas.verify": {"soft_time_limit": _LIMIT_S / 2, "time_limit": _LIMIT_S / 2 + 30},
+    "marlaas.verify_many": {"soft_time_limit": _LIMIT_S / 2, "time_limit": _LIMIT_S / 2 + 30},
+    "marlaas.train": {"soft_time_limit": _LIMIT_S, "time_limit": _LIMIT_S + 60},
+    "marlaas.tick": {"soft_time_limit": 60, "time_limit": 90},
+}
+
 beat_schedule = {
     "tick": {"task": "marlaas.tick", "schedule": 1.0, "options": {"expires": 5.0}},
 }

@@ -336,9 +336,11 @@ def tenant_add(
     max_steps: int = typer.Option(10_000, min=1),
     max_group_size: int = typer.Option(64, min=2),
     max_prompts_per_step: int = typer.Option(256, min=1),
+    weight: float = typer.Option(1.0, min=0.01, max=100.0, help="The tenant's share of the trainer."),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Register a tenant and print its API token (shown once; clients pass it as MARLAAS_TOKEN)."""
+    """Register a tenant and print its API token (shown once; clients pass it as MARLAAS_TOKEN).
+    Operator tooling: it writes the store, so it runs where the service's credentials are."""
     from marlaas.api import tenancy
     from marlaas.store import Store
 
@@ -346,7 +348,7 @@ def tenant_add(
     store.check()
     token = tenancy.add_tenant(store, name, tenancy.Quotas(
         max_active_jobs=max_active_jobs, max_steps=max_steps, max_group_size=max_group_size,
-        max_prompts_per_step=max_prompts_per_step))
+        max_prompts_per_step=max_prompts_per_step, weight=weight))
     if not _emit({"tenant": name, "token": token}, as_json):
         console.print(f"tenant {name} added; its token (shown once): {token}", markup=False, highlight=False)
 

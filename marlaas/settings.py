@@ -65,6 +65,9 @@ class Settings(BaseSettings):
     """Seconds after which dispatched work that has not finished is dispatched again."""
     tool_url: str = "http://127.0.0.1:9110"
     """The calculator tool service (`marlaas tool-server`, Procfile line `tool`) tool tasks call."""
+    stall_s: float = Field(1800.0, gt=0)
+    """The watchdog: a job whose version and dispatched groups have not moved for this long is failed
+    with the reason (longer than a job can wait for its trainer share at the intended scale)."""
     train_lease_s: float = Field(300.0, gt=0)
     """Seconds after which a train task that has not published is considered lost."""
     vllm_args: dict[str, Any] = Field(default_factory=dict)

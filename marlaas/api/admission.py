@@ -33,6 +33,7 @@ def admit(store: Store, tenant: str | None, spec: JobSpec | dict) -> str:
     train, held = job_rows(spec)
     train, held, how = _chat_template(dep.get("base"), spec, train, held)
     _check_context(dep.get("base"), spec, train, held)
+    tenancy.check_rows(store, tenant, train, held)
     return store.create_job(spec, train, held, info={"chat_template": how})
 
 

@@ -9,11 +9,13 @@ shown once and stored only as its SHA-256. A token's tenant sees and changes onl
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import secrets
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from marlaas.control.scheduler import eval_versions
 from marlaas.errors import Forbidden, SpecError
 from marlaas.spec import JobSpec
 
@@ -21,10 +23,15 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 class Quotas(BaseModel):
-    """Per-tenant limits, checked at submit."""
+    """A tenant's plan, set by the operator: its trainer share and a bound on every cost one of its
+    jobs can cause, checked at submit (the API's admission). The single-user default (no tenants)
+    is held to the default plan's cost bounds too, except for the count of jobs."""
 
     model_config = ConfigDict(extra="forbid")
 
+    weight: float = Field(1.0, gt=0, le=100)
+    """The tenant's share of the one trainer lane, split over its training jobs: two tenants of equal
+    weight get equal shares however many jobs each runs. A job's own `weight` is ignored for tenants."""
     max_active_jobs: int = Field(8, ge=1, le=10_000)
     """Jobs of the tenant running at once."""
     max_steps: int = Field(10_000, ge=1)
@@ -33,6 +40,18 @@ class Quotas(BaseModel):
     """Largest `group_size` of one job."""
     max_prompts_per_step: int = Field(256, ge=1)
     """Largest `prompts_per_step` of one job."""
+    max_tokens_per_step: int = Field(65_536, ge=1)
+    """Largest prompts_per_step x group_size x max_new_tokens: the generated tokens of one step."""
+    max_eval_rows: int = Field(2_048, ge=1)
+    """Largest eval_size x (1 + eval_k): completions of one evaluation (one generate task's worth)."""
+    max_eval_rows_total: int = Field(65_536, ge=1)
+    """Largest completions over all of a job's evaluations (versions evaluated x max_eval_rows)."""
+    max_staleness: int = Field(8, ge=0)
+    """Largest `max_staleness` (rollouts in flight per job grow with it)."""
+    max_row_bytes: int = Field(65_536, ge=64)
+    """Largest row (prompt, answer and any fields, as JSON)."""
+    max_dataset_bytes: int = Field(64 << 20, ge=1024)
+    """Largest dataset (training plus held-out rows, as JSON)."""
 
 
 def hash_token(token: str) -> str:
@@ -63,23 +82,53 @@ def resolve(store, token: str | None) -> str | None:
     return tenant
 
 
+def plan_of(store, tenant: str | None) -> Quotas:
+    """The tenant's plan (the default plan in single-user mode)."""
+    return Quotas(**((store.tenant(tenant) or {}).get("quotas", {}) if tenant is not None else {}))
+
+
 def check_submit(store, tenant: str | None, spec: JobSpec) -> JobSpec:
-    """The spec as the caller may submit it (tenant filled in), or a one-line refusal."""
-    if tenant is None:
-        return spec
-    if spec.tenant == "default":
-        spec = spec.model_copy(update={"tenant": tenant})
-    elif spec.tenant != tenant:
-        raise Forbidden(f"a token of tenant {tenant!r} cannot submit jobs for tenant {spec.tenant!r}")
-    q = Quotas(**(store.tenant(tenant) or {}).get("quotas", {}))
+    """The spec as the caller may submit it (tenant filled in, trainer weight from the plan), or a
+    one-line refusal naming the quota."""
+    q = plan_of(store, tenant)
+    if tenant is not None:
+        if spec.tenant == "default":
+            spec = spec.model_copy(update={"tenant": tenant})
+        elif spec.tenant != tenant:
+            raise Forbidden(f"a token of tenant {tenant!r} cannot submit jobs for tenant {spec.tenant!r}")
+        spec = spec.model_copy(update={"weight": q.weight})  # the share comes from the plan, not the spec
+    who = f"tenant {tenant!r}" if tenant is not None else "this deployment's default plan"
+    n_evals = len(eval_versions(spec.steps, spec.eval_every))
+    eval_rows = spec.eval_size * (1 + spec.eval_k)
     for field, limit, value in (
         ("steps", q.max_steps, spec.steps),
         ("group_size", q.max_group_size, spec.group_size),
         ("prompts_per_step", q.max_prompts_per_step, spec.prompts_per_step),
+        ("tokens per step (prompts_per_step x group_size x max_new_tokens)", q.max_tokens_per_step,
+         spec.prompts_per_step * spec.group_size * spec.max_new_tokens),
+        ("evaluation rows (eval_size x (1 + eval_k))", q.max_eval_rows, eval_rows),
+        ("evaluation rows over the job (evaluations x eval_size x (1 + eval_k))", q.max_eval_rows_total,
+         n_evals * eval_rows),
+        ("max_staleness", q.max_staleness, spec.max_staleness),
     ):
         if value > limit:
-            raise SpecError(f"over quota: {field} {value} > {limit} for tenant {tenant!r}")
-    active = store.count_active(tenant)
-    if active >= q.max_active_jobs:
-        raise SpecError(f"over quota: tenant {tenant!r} already runs {active} jobs (max {q.max_active_jobs})")
+            raise SpecError(f"over quota: {field} {value} > {limit} for {who}")
+    if tenant is not None:
+        active = store.count_active(tenant)
+        if active >= q.max_active_jobs:
+            raise SpecError(f"over quota: tenant {tenant!r} already runs {active} jobs (max {q.max_active_jobs})")
     return spec
+
+
+def check_rows(store, tenant: str | None, train: list[dict], held: list[dict]) -> None:
+    """Row and dataset sizes within the plan (rows are stored, and copied into rollouts)."""
+    q = plan_of(store, tenant)
+    total = 0
+    for split, rows in (("dataset", train), ("eval_dataset", held)):
+        for i, row in enumerate(rows):
+            n = len(json.dumps(row))
+            if n > q.max_row_bytes:
+                raise SpecError(f"over quota: {split} row {i} has {n} bytes > {q.max_row_bytes}")
+            total += n
+    if total > q.max_dataset_bytes:
+        raise SpecError(f"over quota: the dataset has {total} bytes > {q.max_dataset_bytes}")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import time
 import uuid
@@ -140,6 +141,7 @@ def fetch(store, cache_root: Path | str) -> Path:
         raise BaseModelError(
             "no base model: set MARLAAS_BASE to a local model directory on this host, or push one "
             "into the store with `marlaas base push DIR`")
+    _check_manifest(m)
     cache_root = Path(cache_root)
     target = cache_root / m["hash"]
     if target.is_dir():
@@ -171,6 +173,28 @@ def fetch(store, cache_root: Path | str) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _check_manifest(m: dict) -> None:
+    """Refuse a manifest that could write outside its directory: the hash names the directory (64 hex
+    digits), and every file path must be relative, with no '..', no empty or hidden-dot segments, and
+    a sha256 to check. Files are written into a temporary directory and checked before it is renamed
+    into place, so nothing unverified is ever at the target."""
+    if not isinstance(m.get("hash"), str) or not _HEX64.match(m["hash"]):
+        raise BaseModelError("the pushed base's manifest has no valid hash: push the base again")
+    files = m.get("files")
+    if not isinstance(files, dict) or not files:
+        raise BaseModelError("the pushed base's manifest lists no files: push the base again")
+    for path, info in files.items():
+        parts = path.split("/") if isinstance(path, str) else []
+        if (not parts or path.startswith("/") or "\\" in path or "\0" in path
+                or any(s in ("", ".", "..") for s in parts)):
+            raise BaseModelError(f"the pushed base's manifest names an unsafe path {str(path)[:80]!r}: refused")
+        if not isinstance(info, dict) or not _HEX64.match(str(info.get("sha256", ""))):
+            raise BaseModelError(f"the pushed base's manifest has no sha256 for {path!r}: refused")
 
 
 def local_base(settings, store) -> tuple[Path, str]:

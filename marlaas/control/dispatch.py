@@ -48,6 +48,7 @@ class _Job:
             id=jid, version=t, steps=spec.steps, staleness=spec.max_staleness, groups_per_step=p,
             group_size=spec.group_size, dispatched=d, weight=spec.weight, pass_value=float(pv or 0.0),
             eval_rows=spec.eval_size * (1 + spec.eval_k),  # greedy + sampled completions
+            tenant=spec.tenant,
         )
         self.rows = max(spec.group_size, self.state.eval_rows)
         self.order = scheduler.trainer_order(self.state)  # the trainer's order (the tick's script keeps it)
@@ -110,6 +111,8 @@ class TickMemory:
         self.views: dict[str, _View] = {}  # store url -> its view
         # (url, job id, created, version): evaluations known to be stored
         self.evals_done: set[tuple[str, str, str, int]] = set()
+        # store url -> job id -> ((version, dispatched), when first seen so): the watchdog's clock
+        self.progress: dict[str, dict[str, tuple[tuple[int, int], float]]] = {}
 
     def view(self, url: str) -> _View:
         return self.views.setdefault(url, _View())
@@ -117,6 +120,23 @@ class TickMemory:
     def forget(self, url: str) -> None:
         """Drop the table copy of one store: the next tick reads every row again."""
         self.views.pop(url, None)
+
+    def stalled(self, url: str, jobs: list, now: float, limit_s: float) -> list[str]:
+        """Jobs whose (version, dispatched) has not moved for `limit_s` seconds of this process's
+        ticks (a restarted control worker starts the clock again)."""
+        seen = self.progress.setdefault(url, {})
+        out = []
+        for j in jobs:
+            mark = (j.state.version, j.state.dispatched)
+            prev = seen.get(j.id)
+            if prev is None or prev[0] != mark:
+                seen[j.id] = (mark, now)
+            elif now - prev[1] > limit_s:
+                out.append(j.id)
+        if len(seen) > 2 * len(jobs) + 1000:  # forget ended jobs
+            live = {j.id for j in jobs}
+            self.progress[url] = {k: v for k, v in seen.items() if k in live}
+        return out
 
     def remember_evals(self, keys) -> None:
         if len(self.evals_done) >= 1_000_000:
@@ -146,6 +166,13 @@ def snapshot(store: Store, now: float, memory: TickMemory = MEMORY) -> scheduler
     gen_capacity = 2 * max(1, n_gen)
     trainer_free = _trainer_free(store, state["trainer"], workers)
     jobs = view.update(store, state, memory.evals_done)
+    stalled = memory.stalled(store.url, jobs, now, s.stall_s)
+    if stalled:  # the watchdog: a job that makes no progress is failed with the reason, never left hanging
+        for jid in stalled:
+            log.error("job %s made no progress for %.0f s: failing it", jid, s.stall_s)
+            store.set_status(jid, "failed", f"no progress for {s.stall_s:.0f} s (no step published, no work "
+                                            "dispatched): see the job's events and the workers' logs")
+        jobs = view.update(store, store.tick_state(now, view.epoch, view.seq), memory.evals_done)
     expired = _parse_leases(store, state["expired"])
     free = max(0, gen_capacity - state["gen_inflight"])
 
@@ -249,7 +276,7 @@ def apply(store: Store, plan: scheduler.Plan, send: Send, snap: scheduler.Snapsh
     train = None
     if plan.train is not None:
         jid, t = plan.train
-        train = (jid, t, next(j.weight for j in snap.jobs if j.id == jid), s.train_lease_s)
+        train = (jid, t, scheduler.lane_weights(snap.jobs)[jid], s.train_lease_s)  # fair per tenant
     token = store.tick_write(relet, new, s.lease_s, batch_ids, plan.dispatched, train)
     messages = [("marlaas.generate", [batch_id, [list(it) for it in batch]])
                 for batch_id, batch in zip(batch_ids, plan.gen_batches)]

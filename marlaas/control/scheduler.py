@@ -46,6 +46,7 @@ class JobState:
     ready: bool = False
     eval_rows: int = 0
     need_eval: tuple[int, ...] = ()
+    tenant: str = ""
 
     @property
     def done_training(self) -> bool:
@@ -126,6 +127,17 @@ def trainer_order(j: JobState) -> tuple[float, tuple[int, str]]:
     (`_groups_in_order`), and by the tick, which hands the trainer candidates to the store's script in
     this order (the script takes the first one whose next step is fully verified)."""
     return (j.pass_value, id_number(j.id))
+
+
+def lane_weights(jobs: tuple[JobState, ...] | list[JobState]) -> dict[str, float]:
+    """Each job's weight on the trainer lane: its tenant's weight split evenly over the tenant's jobs
+    still training, so that shares are fair per tenant (a tenant with 8 jobs gets what a tenant of
+    equal weight with 1 job gets). Stride scheduling charges a job 1 / this per step."""
+    count: dict[str, int] = {}
+    for j in jobs:
+        if not j.done_training:
+            count[j.tenant] = count.get(j.tenant, 0) + 1
+    return {j.id: j.weight / max(1, count.get(j.tenant, 0)) for j in jobs}
 
 
 def choose_trainer(jobs: tuple[JobState, ...] | list[JobState]) -> JobState | None:

@@ -83,6 +83,27 @@ def test_corrupt_blob_is_refused_and_leaves_no_cache(st, tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("evil", ["../../../../escaped_by_manifest.pth", "/tmp/abs.pth", "a/../../b", "./x", ""])
+def test_a_manifest_path_outside_the_cache_is_refused(st, tmp_path, evil):
+    src = fake_model(tmp_path / "base")
+    m = distribution.push(st, src)
+    info = next(iter(m["files"].values()))
+    st.set_base_manifest({**m, "files": {**m["files"], evil: info}})
+    cache = tmp_path / "deep" / "er" / "cache"
+    with pytest.raises(BaseModelError, match="unsafe path"):
+        distribution.fetch(st, cache)
+    assert not (tmp_path / "escaped_by_manifest.pth").exists() and not any(tmp_path.rglob("*.pth"))
+
+
+@pytest.mark.integration
+def test_a_manifest_hash_that_is_a_path_is_refused(st, tmp_path):
+    m = distribution.push(st, fake_model(tmp_path / "base"))
+    st.set_base_manifest({**m, "hash": "../../escaped"})
+    with pytest.raises(BaseModelError, match="no valid hash"):
+        distribution.fetch(st, tmp_path / "cache")
+
+
+@pytest.mark.integration
 def test_one_base_per_deployment(st, tmp_path):
     a = distribution.push(st, fake_model(tmp_path / "a"))
     assert distribution.push(st, fake_model(tmp_path / "a")) == a  # same content: a no-op

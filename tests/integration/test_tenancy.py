@@ -76,6 +76,31 @@ def test_quotas(url):
         add_tenant(store, "carol")
 
 
+def test_every_cost_has_a_quota_and_the_share_comes_from_the_plan(url):
+    store = Store(url)
+    tok = add_tenant(store, "erik", Quotas(weight=2.5, max_tokens_per_step=1000, max_eval_rows=100,
+                                           max_eval_rows_total=300, max_staleness=2, max_row_bytes=200,
+                                           max_dataset_bytes=2000))
+    c = Client(url, token=tok)
+    for bad, match in (
+        (dict(prompts_per_step=8, group_size=8, max_new_tokens=16), "tokens per step .* 1024 > 1000"),
+        (dict(eval_size=100000, eval_k=256), r"evaluation rows \(eval_size x \(1 \+ eval_k\)\) 25700000 > 100"),
+        (dict(steps=10, eval_every=1, eval_size=10, eval_k=2), "evaluation rows over the job .* 330 > 300"),
+        (dict(max_staleness=3), "max_staleness 3 > 2"),
+    ):
+        with pytest.raises(SpecError, match=match):
+            c.submit(spec(**bad))
+    big = [{"prompt": "x" * 300, "answer": "y"}] * 3
+    with pytest.raises(SpecError, match="row 0 has .* bytes > 200"):
+        c.submit(JobSpec(dataset=big, steps=2, eval_size=1))
+    many = [{"prompt": f"p{i}" * 10, "answer": "y"} for i in range(100)]
+    with pytest.raises(SpecError, match="the dataset has .* bytes > 2000"):
+        c.submit(JobSpec(dataset=many, steps=2, eval_size=1))
+    job = c.submit(spec(weight=100.0))  # a tenant cannot raise its own share
+    assert store.spec(job.id).weight == 2.5
+    assert store.job_ids() == [job.id]  # every refusal stored nothing
+
+
 def test_adapter_download_of_own_job(url, tmp_path):
     store = Store(url)
     tok = add_tenant(store, "dave")

@@ -78,8 +78,8 @@ def test_workers_registry_keeps_ttl_semantics(st):
 
 
 def make_job(st, tenant="a", **kw):
-    spec = JobSpec(tenant=tenant, task="sort", steps=3, prompts_per_step=2, group_size=4, max_staleness=1,
-                   eval_size=2, **kw)
+    spec = JobSpec(**{"tenant": tenant, "task": "sort", "steps": 3, "prompts_per_step": 2, "group_size": 4,
+                      "max_staleness": 1, "eval_size": 2, **kw})
     rows = [{"prompt": f"sort:{i}=", "answer": str(i)} for i in range(6)]
     return st.create_job(spec, rows, rows[:2])
 
@@ -235,3 +235,52 @@ def test_expired_verifications_go_out_one_message_per_job(st):
     dispatch.tick(st, sent.extend)
     verify = [a for n, a in sent if n == "marlaas.verify"]
     assert len(verify) == 1 and verify[0][1] == "train" and sorted(verify[0][2]) == [12, 13, 14, 15]
+
+
+@pytest.mark.integration
+def test_watchdog_fails_a_job_that_makes_no_progress(st, monkeypatch):
+    from marlaas.settings import get_settings
+
+    monkeypatch.setattr(get_settings(), "stall_s", 100.0)
+    stuck, moving = make_job(st, "a"), make_job(st, "b")
+    memory = dispatch.TickMemory()
+    t0 = time.time()
+    dispatch.snapshot(st, t0, memory)
+    st.advance_dispatched(moving, 1)  # progress: its clock starts again
+    snap = dispatch.snapshot(st, t0 + 60, memory)
+    assert {j.id for j in snap.jobs} == {stuck, moving}
+    snap = dispatch.snapshot(st, t0 + 101, memory)
+    assert [j.id for j in snap.jobs] == [moving]
+    rec = st.job(stuck)
+    assert rec.status == "failed" and rec.extra["error"].startswith("no progress for 100 s")
+    assert st.job(moving).status == "running"
+
+
+@pytest.mark.integration
+def test_trainer_shares_are_fair_per_tenant_over_the_real_tick(st):
+    """Two tenants of equal plans, one with 8 jobs and one with 1, all always ready: over the real
+    tick (snapshot, plan, the store's scripts), each tenant gets half of the trainer's steps (10%)."""
+    from marlaas.types import AdapterBlob
+
+    many = [make_job(st, "many", steps=1000) for _ in range(8)]
+    one = make_job(st, "one", steps=1000)
+    P = 2
+    picks: dict[str, int] = {}
+    for _ in range(90):
+        for jid in [*many, one]:  # every job's next step is verified: all want the lane
+            t = st.job(jid).version
+            for g in range(t * P, (t + 1) * P):
+                if st.rollout(jid, g) is None:
+                    att = st.put_rollout(jid, g, t, {"row": {}, "completions": []})
+                    st.accept_rewards(jid, g, att, {"rewards": [1.0]})
+        sent = []
+        dispatch.tick(st, sent.extend)
+        train = [args for name, args in sent if name == "marlaas.train"]
+        assert len(train) == 1, sent
+        jid, t, token = train[0]
+        tenant = st.job(jid).tenant
+        picks[tenant] = picks.get(tenant, 0) + 1
+        assert st.publish(jid, t, AdapterBlob({}, b""), b"", {"step": t + 1}, token, list(range(t * P, (t + 1) * P)),
+                          1000)
+    assert picks["many"] + picks["one"] == 90
+    assert abs(picks["many"] - picks["one"]) <= 9, picks  # within 10% of the 90 steps

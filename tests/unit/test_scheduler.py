@@ -188,3 +188,17 @@ def test_groups_ahead_wait_for_a_full_batch_when_asked():
            for m in (32, 48)]
     assert [len(b) for b in two[0].gen_batches] == [4, 4] and two[0].dispatched == {"j1": 8}
     assert [len(b) for b in two[1].gen_batches] == [4] and two[1].dispatched == {"j1": 4}
+
+
+def test_lane_weights_split_a_tenants_weight_over_its_training_jobs():
+    from marlaas.control.scheduler import JobState, lane_weights
+
+    def job(i, tenant, weight=1.0, version=0):
+        return JobState(id=f"j{i}", version=version, steps=4, staleness=1, groups_per_step=2, group_size=4,
+                        dispatched=0, weight=weight, tenant=tenant)
+
+    jobs = [job(1, "a"), job(2, "a"), job(3, "a", version=4), job(4, "b", weight=3.0), job(5, "c", weight=2.0),
+            job(6, "c", weight=2.0), job(7, "c", weight=2.0), job(8, "c", weight=2.0)]
+    # a: 2 jobs still training (j3 is done) -> 1/2 each; b: 3; c: 2/4 each
+    assert lane_weights(jobs) == {"j1": 0.5, "j2": 0.5, "j3": 0.5, "j4": 3.0, "j5": 0.5, "j6": 0.5, "j7": 0.5,
+                                  "j8": 0.5}
