@@ -16,8 +16,9 @@ Isolation, best effort, each layer reported in "isolation" (see the `sandbox` mo
 2. Per program, in the forked child: own session, `PR_SET_PDEATHSIG`, rlimits (CPU, address space,
    processes, file size, open files, no core), an unprivileged uid when the runner is root (rlimits
    on processes do not bind root), no capabilities, `no_new_privs` and a seccomp filter that refuses
-   non-AF_UNIX sockets, io_uring, ptrace and process_vm_*; a pure-Python socket block only when neither
-   a net namespace nor seccomp is available. The parent enforces a wall-clock limit and caps output.
+   every socket (AF_UNIX too), io_uring, ptrace and process_vm_*; without seccomp a program is not run
+   at all unless the caller allows weak isolation (`strict` false: then a pure-Python socket block).
+   The parent enforces a wall-clock limit and caps output.
 
 A program is "ok" only when it ran to its end: the harness then writes a per-child random nonce on a
 private pipe. `sys.exit`, `os._exit`, signals and exceptions all count as not ok.
@@ -176,6 +177,20 @@ def _private_filesystem(base: str, iso: dict, tmpfs_mb: int) -> None:
         iso["private_tmp"] = True
 
 
+def _hide(paths: list[str], iso: dict) -> None:
+    """Cover the service's own directories (its home with the store's credentials, the source
+    checkout, the worker's home) with an empty read-only tmpfs, so programs see none of their files.
+    A directory holding the interpreter or its standard library stays (it cannot be covered)."""
+    needed = [os.path.realpath(x) for x in (*sys.path, sys.executable, sys.prefix, sys.base_prefix) if x]
+    hidden = 0
+    for path in paths:
+        real = os.path.realpath(path)
+        if not os.path.isdir(real) or real == "/" or any(n == real or n.startswith(real + "/") for n in needed):
+            continue
+        hidden += _mount("tmpfs", real, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0555")
+    iso["hidden_dirs"] = hidden
+
+
 # ---------------------------------------------------------------- per-child hardening
 
 
@@ -188,7 +203,7 @@ _SYSCALLS = {
 
 
 def _seccomp_filter(machine: str, own_pid: int | None):
-    """BPF filter: refuse sockets other than AF_UNIX, io_uring, ptrace and process_vm_*; with own_pid
+    """BPF filter: refuse every socket, io_uring, ptrace and process_vm_*; with own_pid
     (no pid namespace) also every signal not aimed at own_pid or its own group. None if unsupported."""
     nr = _SYSCALLS.get(machine)
     if nr is None:
@@ -219,8 +234,9 @@ def _seccomp_filter(machine: str, own_pid: int | None):
             (ret, 0, 0, deny),
             (ret, 0, 0, allow),
         ]
-    ins += [(jeq, 1, 0, nr["socket"]), (ret, 0, 0, allow)]
-    ins += [(ld, 0, 0, arg0), (jeq, 0, 1, 1), (ret, 0, 0, allow), (ret, 0, 0, deny)]  # AF_UNIX only
+    # Every socket, AF_UNIX included: a path socket reaches host services (a container runtime's
+    # socket, a database) whatever the net namespace. socketpair() stays (it reaches nothing).
+    ins += [(jeq, 0, 1, nr["socket"]), (ret, 0, 0, deny), (ret, 0, 0, allow)]
     raw = b"".join(struct.pack("HBBI", *i) for i in ins)
     buf = ctypes.create_string_buffer(raw, len(raw))
 
@@ -315,7 +331,10 @@ def _child(src, workdir, out_w, res_w, nonce, lim, uid, ctx) -> None:
     bpf = _seccomp_filter(ctx["machine"], None if ctx["pidns"] else getpid())
     if bpf is not None and _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0:
         seccomp = _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(bpf[0]), 0, 0) == 0
-    if not ctx["netns"] and not seccomp:
+    if not seccomp:
+        if ctx["strict"]:
+            fail("sandbox isolation unavailable (the seccomp socket filter was refused on this host): "
+                 "refusing to run the program (MARLAAS_SANDBOX_STRICT=0 accepts weaker isolation)")
         _block_sockets_in_python()
     if ctx["lib_paths"]:
         _relocate_imports(ctx["lib_paths"])
@@ -489,6 +508,7 @@ def _serve(programs, lim, flags, iso) -> None:
     is_root = os.geteuid() == 0
     if flags & CLONE_NEWNS:
         _private_filesystem(base, iso, lim["tmpfs_mb"])
+        _hide(list(lim.get("hide", [])), iso)
         if flags & CLONE_NEWPID:
             iso["private_proc"] = _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     first_uid, lib_paths = None, {}
@@ -516,6 +536,7 @@ def _serve(programs, lim, flags, iso) -> None:
         "machine": os.uname().machine,
         "seccomp_seen": [],
         "lib_paths": lib_paths,
+        "strict": bool(lim.get("strict", True)),
     }
     results = []
     for i in range(len(programs)):

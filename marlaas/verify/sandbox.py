@@ -14,9 +14,10 @@ What the sandbox contains (each layer is best effort; `probe()` says which appli
   (RLIMIT_FSIZE), open files (RLIMIT_NOFILE), no core dumps; wall-clock per program (killed by the
   parent); stdout+stderr captured and capped.
 - Network: an empty network namespace (`unshare(CLONE_NEWNET)`, inside a user namespace when not
-  root). Where namespaces are refused (e.g. Docker's default seccomp profile), a seccomp filter refuses
-  every socket but AF_UNIX, plus io_uring; only if that too is refused are Python's socket functions
-  replaced (weak: a determined program gets around that).
+  root) and a seccomp filter that refuses every socket, AF_UNIX included (a path socket would reach
+  host services whatever the namespace), plus io_uring. Fail closed: where the filter is refused, no
+  program runs (each gets an error) unless MARLAAS_SANDBOX_STRICT=0, which falls back to replacing
+  Python's socket functions (weak: a determined program gets around that).
 - Environment secrets: the sandbox's environment is empty. With a pid namespace and a fresh /proc the
   program cannot read other processes' /proc/<pid>/environ or memory either; when the worker runs as
   root, programs also run under an unprivileged uid, which the kernel forbids from reading them.
@@ -24,10 +25,12 @@ What the sandbox contains (each layer is best effort; `probe()` says which appli
   program unprivileged uid when root. Every process a program leaves behind is killed after it.
 - Files: with a mount namespace every mount is read-only and the working directory is a small
   private tmpfs that vanishes with the batch, so programs cannot modify the project, the adapters or
-  anything else, nor fill the disk. Reading is NOT prevented: world-readable system files (e.g.
-  /etc/passwd) and, when the worker is not root, anything the worker's user can read (including the
-  project's files) stay readable. Running the verify worker as a dedicated user (or as root, so that
-  programs drop to an unprivileged uid) keeps private files out of reach.
+  anything else, nor fill the disk. The service's own directories ($MARLAAS_HOME with the store's
+  credentials, the source checkout, the worker's home unless the interpreter lives there) are covered
+  by an empty tmpfs. Reading the rest is NOT prevented: world-readable system files (e.g. /etc/passwd)
+  and, when the worker is not root, other files the worker's user can read stay readable. Running
+  the verify worker as a dedicated user (or as root, so that programs drop to an unprivileged uid)
+  keeps private files out of reach.
 
 What it does NOT contain (honest list, also in the report to the lead):
 
@@ -120,8 +123,19 @@ def _clean_env() -> dict[str, str]:
     return {}
 
 
+def _policy() -> dict:
+    """The sandbox policy of this deployment: fail closed without the seccomp socket filter unless
+    MARLAAS_SANDBOX_STRICT=0, and the service directories to hide from programs."""
+    from marlaas.settings import get_settings
+
+    home = str(get_settings().home)
+    project = str(Path(__file__).resolve().parents[2])
+    return {"strict": os.environ.get("MARLAAS_SANDBOX_STRICT", "1") != "0",
+            "hide": [home, project, os.path.expanduser("~")]}
+
+
 def _run(programs: list[str], limits: Limits) -> dict:
-    payload = json.dumps({"programs": programs, "limits": asdict(limits)}).encode()
+    payload = json.dumps({"programs": programs, "limits": {**asdict(limits), **_policy()}}).encode()
     budget = len(programs) * (limits.wall_s + 0.5) + limits.batch_overhead_s
     workdir = tempfile.mkdtemp(prefix="marlaas-sandbox-")
     try:

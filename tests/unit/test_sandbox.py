@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +46,7 @@ HOSTILE = {
         "print('FOUND' if found else 'CLEAN')\n"
     ),
     "passwd": "print(open('/etc/passwd').read()[:4])\n",
+    "unix_socket": "import socket\ns = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\nprint('opened')\n",
     "last": "print('still fine')\n",
 }
 
@@ -57,7 +59,15 @@ def isolation() -> dict:
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory, isolation) -> dict[str, RunResult]:
     outside = tmp_path_factory.mktemp("outside")
-    programs = dict(HOSTILE, write_outside=f"open({str(outside / 'pwned')!r}, 'w').write('x')\n")
+    from marlaas.settings import get_settings
+
+    home = get_settings().home
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "service-secret.txt").write_text("redis://:password@127.0.0.1:1/0")
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    programs = dict(HOSTILE, write_outside=f"open({str(outside / 'pwned')!r}, 'w').write('x')\n",
+                    service_home=f"import os\nprint(sorted(os.listdir({str(home)!r})))\n",
+                    project_file=f"print(open({str(readme)!r}).read()[:9])\n")
     # A process with the secret in its *initial* environment, as a worker started with credentials.
     holder = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, "MARLAAS_TEST_SECRET": SECRET}
@@ -142,6 +152,17 @@ def test_writes_outside_the_sandbox_are_refused(hostile, isolation):
         pytest.skip("no mount namespace and same uid: the worker's files are writable here")
     assert not hostile["write_outside"].ok
     assert not (hostile["_outside"] / "pwned").exists()
+
+
+def test_unix_sockets_are_refused_too(hostile):
+    assert not hostile["unix_socket"].ok and "opened" not in hostile["unix_socket"].stdout
+
+
+def test_the_services_own_files_are_hidden(hostile, isolation):
+    if "mount" not in isolation["namespaces"]:
+        pytest.skip("no mount namespace here: the service directories cannot be covered")
+    assert hostile["service_home"].ok and hostile["service_home"].stdout == "[]\n"  # credentials out of sight
+    assert not hostile["project_file"].ok  # the source checkout too
 
 
 def test_reading_world_readable_files_is_not_prevented(hostile):
