@@ -21,6 +21,10 @@ class StoreUnavailable(MarlaasError):
     """No Redis reachable: start the embedded stack (`marlaas up`) or set MARLAAS_REDIS_URL."""
 
 
+class StoreFull(StoreUnavailable):
+    """The store is near its memory cap: new work is refused until jobs finish (HTTP 503)."""
+
+
 class BaseModelError(MarlaasError):
     """The base model is missing or is not the one this deployment serves."""
 

@@ -65,6 +65,14 @@ class Settings(BaseSettings):
     """Seconds after which dispatched work that has not finished is dispatched again."""
     tool_url: str = "http://127.0.0.1:9110"
     """The calculator tool service (`marlaas tool-server`, Procfile line `tool`) tool tasks call."""
+    redis_maxmemory_mb: int = Field(4096, ge=64)
+    """The embedded Redis's memory cap (noeviction: it refuses writes past it, never drops keys)."""
+    admission_memory_fraction: float = Field(0.8, gt=0, le=1)
+    """Admission refuses new jobs once the store uses this share of its memory cap (running jobs keep
+    the rest), with a clear error instead of a store that fails mid-job."""
+    retention_s: float = Field(7 * 86400.0, ge=0)
+    """How long a finished, failed or cancelled job's bulk data (rows, rollouts, optimizer state,
+    adapters other than the final and evaluated ones) stays; its record, metrics and evaluations stay."""
     stall_s: float = Field(1800.0, gt=0)
     """The watchdog: a job whose version and dispatched groups have not moved for this long is failed
     with the reason (longer than a job can wait for its trainer share at the intended scale)."""

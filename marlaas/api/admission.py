@@ -15,7 +15,7 @@ from pathlib import Path
 
 from marlaas.api import tenancy
 from marlaas.api.rows import job_rows
-from marlaas.errors import BaseModelError, SpecError
+from marlaas.errors import BaseModelError, SpecError, StoreFull
 from marlaas.settings import get_settings
 from marlaas.spec import JobSpec, parse_spec
 from marlaas.store import Store
@@ -23,6 +23,11 @@ from marlaas.store import Store
 
 def admit(store: Store, tenant: str | None, spec: JobSpec | dict) -> str:
     """Validate a tenant's job and store it; returns the job id."""
+    used, cap = store.memory_use()
+    share = get_settings().admission_memory_fraction
+    if cap and used > share * cap:
+        raise StoreFull(f"the service's store is full ({used >> 20} of {cap >> 20} MiB used): new jobs are "
+                        "refused until running ones finish; try again later")
     spec = tenancy.check_submit(store, tenant, parse_spec(spec))
     dep = store.deployment()
     if spec.base_model and dep.get("base_name") and spec.base_model not in (dep["base_name"], dep.get("base")):

@@ -16,6 +16,7 @@ from marlaas.errors import (
     RateLimited,
     ServerError,
     SpecError,
+    StoreFull,
     StoreUnavailable,
     TooLarge,
     Unauthorized,
@@ -39,7 +40,7 @@ STATUS: tuple[tuple[type[MarlaasError], int], ...] = (
 BY_NAME: dict[str, type[MarlaasError]] = {
     c.__name__: c
     for c in (Unauthorized, Forbidden, NotFound, Conflict, TooLarge, SpecError, BaseModelError, RateLimited,
-              StoreUnavailable, ServerError, MarlaasError)
+              StoreFull, StoreUnavailable, ServerError, MarlaasError)
 }
 
 

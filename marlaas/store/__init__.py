@@ -56,6 +56,7 @@ import redis
 from marlaas.errors import StoreUnavailable
 from marlaas.settings import get_settings
 from marlaas.store import scripts
+from marlaas.store.hygiene import HygieneOps
 from marlaas.store.jobs import JobOps, JobRecord, spec_from_json  # noqa: F401  (re-exported)
 from marlaas.store.keys import (  # noqa: F401  (re-exported: the store layer's key names)
     ACTIVE,
@@ -123,7 +124,7 @@ def _client(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
 
 
-class Store(JobOps, WorkOps, LaneOps, TenantOps, ObserveOps, TickOps):
+class Store(JobOps, WorkOps, LaneOps, TenantOps, ObserveOps, HygieneOps, TickOps):
     """Typed access to the Redis store, one mixin per concern. Every method is one or a few round trips."""
 
     def __init__(self, url: str | None = None):

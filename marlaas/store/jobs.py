@@ -15,6 +15,7 @@ from marlaas.spec import JobSpec
 from marlaas.store.keys import (
     ACTIVE,
     ALL,
+    ENDED,
     VT,
     WAKE,
     P,
@@ -127,6 +128,7 @@ class JobOps:
         p.hset(job_key(jid), mapping=m)
         if status in TERMINAL_STATUSES:
             p.srem(ACTIVE, jid)
+            p.zadd(ENDED, {jid: time.time()}, nx=True)  # its bulk data goes after the retention period
             self.drop_job_leases(jid, pipe=p)
             p.lpush(job_end_key(jid), status)  # wakes Job.wait (wait_end)
             p.expire(job_end_key(jid), 3600)

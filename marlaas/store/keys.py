@@ -25,6 +25,7 @@ TENANTS = P + "tenants"
 TOKENS = P + "tokens"
 WORKERS = P + "workers"
 BASE_MANIFEST = P + "base:manifest"
+ENDED = P + "jobs:ended"  # zset job -> when it ended (garbage collection after the retention period)
 
 
 def job_key(j: str) -> str:

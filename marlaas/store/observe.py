@@ -57,6 +57,11 @@ class ObserveOps:
             hi -= chunk
         return out
 
+    def memory_use(self) -> tuple[int, int]:
+        """(bytes used, the server's maxmemory; 0 = no cap)."""
+        info = self.r.info("memory")
+        return int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+
     def queue_depths(self, queues: tuple[str, ...] = ("generate", "verify", "train", "control")) -> dict[str, int]:
         """Messages waiting in each Celery queue. Kombu's Redis transport keeps a queue as a Redis list
         named after it, plus one list per non-zero priority step named `queue + "\\x06\\x16" + step`."""

@@ -73,7 +73,7 @@ def test_tick_dispatches_within_admission_then_waits(st):
     sent.clear()
     for b in list(st.r.zrange("m:gen:inflight", 0, -1)):
         st.end_gen_batch(b.decode())
-    dispatch.tick(st, sent.extend, now=time.time() + 10_000)
+    dispatch.tick(st, sent.extend, now=time.time() + 600)  # past the lease, within the watchdog
     again = sorted(tuple(it) for n, a in sent if n == "marlaas.generate" for it in a[1])
     assert [it for it in again if it[0] == "gen"] == [("gen", jid, g) for g in range(4)]
 
@@ -144,3 +144,29 @@ def test_new_job_wakes_the_scheduler_and_an_ended_job_wakes_its_waiters(st):
     assert st.wait_end(jid, 0.05) == "cancelled"
     assert st.wait_end(jid, 0.05) == "cancelled"  # the marker stays for every waiter
     assert 0 < st.r.ttl(f"m:job:{jid}:end") <= 3600
+
+
+@pytest.mark.integration
+def test_an_ended_jobs_bulk_data_goes_after_the_retention_period(st):
+    from marlaas.store import adapter_key, optim_key, roll_key, rows_key
+    from marlaas.types import AdapterBlob
+
+    spec = JobSpec(tenant="t", task="sort", steps=3, prompts_per_step=2, group_size=4, eval_every=2, eval_size=2)
+    rows = [{"prompt": f"sort:{i}=", "answer": str(i)} for i in range(6)]
+    jid = st.create_job(spec, rows, rows[:2])
+    for t in range(3):
+        st.publish(jid, t, AdapterBlob({"r": 4}, b"w%d" % t), b"opt", {"step": t + 1}, "x", [], 3, 2)
+    st.advance_dispatched(jid, 8)
+    st.put_rollout(jid, 6, 3, {"row": {}, "completions": []})  # a group left over
+    st.put_eval_result(jid, 3, {"acc": 1.0, "n": 2})
+    st.set_status(jid, "done")
+    t_end = time.time()
+    assert st.collect_garbage(t_end + 10, retention_s=3600) == []  # within retention: kept
+    assert st.collect_garbage(t_end + 3601, retention_s=3600) == [jid]
+    assert not st.r.exists(rows_key(jid, "train"), rows_key(jid, "eval"), optim_key(jid), roll_key(jid, 6))
+    assert st.r.exists(adapter_key(jid, 2)) and st.r.exists(adapter_key(jid, 3))  # evaluated and final stay
+    assert not st.r.exists(adapter_key(jid, 1))
+    rec = st.job(jid)
+    assert rec.status == "done" and rec.extra["collected"] == "1"
+    assert st.evals(jid)[3]["acc"] == 1.0 and len(st.metrics(jid)) == 3  # the record of what happened stays
+    assert st.collect_garbage(t_end + 7200, retention_s=3600) == []  # once only

@@ -141,3 +141,16 @@ def test_cli_tenant_add_and_one_line_refusals(url):
     finally:
         api.terminate()
         api.wait(timeout=30)
+
+
+def test_admission_refuses_new_jobs_when_the_store_is_nearly_full(url, monkeypatch):
+    from marlaas.errors import StoreFull
+    from marlaas.settings import get_settings
+
+    store = Store(url)
+    used, cap = store.memory_use()
+    assert cap == get_settings().redis_maxmemory_mb << 20  # the embedded Redis has its cap
+    monkeypatch.setattr(get_settings(), "admission_memory_fraction", used / cap / 2)
+    with pytest.raises(StoreFull, match="store is full"):
+        Client(url).submit(spec())
+    assert store.job_ids() == []
