@@ -77,7 +77,7 @@ class WorkOps:
         attempt = uuid.uuid4().hex
         p = self.r.pipeline(transaction=True)
         p.delete(key)
-        p.hset(key, mapping={"attempt": attempt, "version": version, "data": json.dumps(data)})
+        p.hset(key, mapping={"attempt": attempt, "version": version, "data": _group_json(data)})
         for method, *args in extra:
             getattr(p, method)(*args)
         p.zrem(LEASES, done)
@@ -102,6 +102,8 @@ class WorkOps:
         if b"rewards" in h and d.get("r_attempt") == d["attempt"]:
             out["rewards"] = json.loads(d["rewards"])
         out["awaiting_cont"] = d.get("cont") == b"1"
+        if "row" not in out and "row_idx" in out:  # stored by reference: the job's row, read once here
+            out["row"] = self.row(jid, "train", out["row_idx"])
         return out
 
     # Tool episodes (marlaas.tools.agentic): verify hands a group back to generate for its next model turn
@@ -111,7 +113,7 @@ class WorkOps:
         """Verify side: store the group with its tool results pending; lease ver -> cont (due now)."""
         return bool(self._replace(
             keys=[roll_key(jid, g), LEASES],
-            args=[attempt, uuid.uuid4().hex, json.dumps(data), "", "1", item_name(ItemKind.VER, jid, g),
+            args=[attempt, uuid.uuid4().hex, _group_json(data), "", "1", item_name(ItemKind.VER, jid, g),
                   item_name(ItemKind.CONT, jid, g), 0],
         ))
 
@@ -120,7 +122,7 @@ class WorkOps:
         cont -> ver. False: a duplicate or stale continuation (nothing written)."""
         return bool(self._replace(
             keys=[roll_key(jid, g), LEASES],
-            args=[attempt, uuid.uuid4().hex, json.dumps(data), "1", "", item_name(ItemKind.CONT, jid, g),
+            args=[attempt, uuid.uuid4().hex, _group_json(data), "1", "", item_name(ItemKind.CONT, jid, g),
                   item_name(ItemKind.VER, jid, g), time.time() + get_settings().lease_s],
         ))
 
@@ -182,3 +184,9 @@ class WorkOps:
         return [bool(x) for x in self.r.hmget(evals_key(jid), [str(v) for v in versions])]
 
 
+def _group_json(data: dict) -> str:
+    """A group's data as stored: its row by reference (`row_idx` into the job's rows), not copied into
+    every rollout and every attempt of it; `Store.rollout` puts the row back."""
+    if "row_idx" in data and "row" in data:
+        data = {k: v for k, v in data.items() if k != "row"}
+    return json.dumps(data)

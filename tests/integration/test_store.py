@@ -170,3 +170,15 @@ def test_an_ended_jobs_bulk_data_goes_after_the_retention_period(st):
     assert rec.status == "done" and rec.extra["collected"] == "1"
     assert st.evals(jid)[3]["acc"] == 1.0 and len(st.metrics(jid)) == 3  # the record of what happened stays
     assert st.collect_garbage(t_end + 7200, retention_s=3600) == []  # once only
+
+
+@pytest.mark.integration
+def test_rollouts_reference_their_row_instead_of_copying_it(st):
+    from marlaas.store import roll_key
+
+    rows = [{"prompt": "sort:" + "9" * 5000, "answer": "9" * 5000}, {"prompt": "sort:1=", "answer": "1"}]
+    jid = st.create_job(JobSpec(tenant="t", task="sort", steps=2, eval_size=1), rows, rows[1:])
+    st.put_rollout(jid, 0, 0, {"row": rows[0], "row_idx": 0, "completions": [{"ids": [1], "logprobs": [0.0],
+                                                                              "text": "x"}]})
+    assert len(st.r.hget(roll_key(jid, 0), "data")) < 200  # the 10 kB row is not in the rollout
+    assert st.rollout(jid, 0)["row"] == rows[0]
