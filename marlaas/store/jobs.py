@@ -22,6 +22,7 @@ from marlaas.store.keys import (
     job_end_key,
     job_key,
     rows_key,
+    tenant_active_key,
     tenant_key,
 )
 from marlaas.types import TERMINAL_STATUSES
@@ -79,6 +80,7 @@ class JobOps:
         p.sadd(ACTIVE, jid)
         p.zadd(ALL, {jid: now})
         p.sadd(tenant_key(spec.tenant), jid)
+        p.sadd(tenant_active_key(spec.tenant), jid)
         self.sync_rows([jid], pipe=p)  # the scheduling table (tick.py)
         p.lpush(WAKE, jid)  # the control worker ticks now (a new job waits for no beat)
         p.ltrim(WAKE, 0, 0)
@@ -127,6 +129,9 @@ class JobOps:
         p = self.r.pipeline()
         p.hset(job_key(jid), mapping=m)
         if status in TERMINAL_STATUSES:
+            tenant = self.r.hget(job_key(jid), "tenant")
+            if tenant is not None:
+                p.srem(tenant_active_key(tenant.decode()), jid)
             p.srem(ACTIVE, jid)
             p.zadd(ENDED, {jid: time.time()}, nx=True)  # its bulk data goes after the retention period
             self.drop_job_leases(jid, pipe=p)

@@ -64,6 +64,11 @@ def optim_key(j: str) -> str:
     return f"{P}job:{j}:optim"
 
 
+def tenant_active_key(t: str) -> str:
+    """The tenant's jobs that have not ended (its quota of concurrent jobs counts them)."""
+    return f"{P}tenant:{t}:active"
+
+
 def tenant_key(t: str) -> str:
     return f"{P}tenant:{t}:jobs"
 
