@@ -239,7 +239,7 @@ def spec_from_json(raw: str) -> JobSpec:
     if not isinstance(d, dict):
         raise ValueError("a stored spec must be a JSON object")
     probe = dict(d)
-    if probe.get("task") is None:
-        probe["dataset"] = [{"prompt": "-", "answer": "-"}]
+    if probe.get("task") is None:  # a stand-in row in the job's own column names
+        probe["dataset"] = [{probe.get("prompt_field") or "prompt": "-", probe.get("answer_field") or "answer": "-"}]
     spec = JobSpec.model_validate(probe)
     return spec if d.get("task") is not None else spec.model_copy(update={"dataset": None})
