@@ -36,6 +36,8 @@ task_routes = {
     "marlaas.verify_many": {"queue": "verify"},
     "marlaas.train": {"queue": "train"},
     "marlaas.tick": {"queue": "control"},
+    "marlaas.tinker_train": {"queue": "train"},
+    "marlaas.tinker_sample": {"queue": "generate"},
 }
 
 beat_schedule = {
