@@ -45,7 +45,9 @@ def test_the_sdk_end_to_end(worker_stack, tiny_base, api_key, tmp_path):
     import torch
     from tinker import types
 
+    from marlaas.api import tenancy
     from marlaas.base.tiny import load_tokenizer
+    from marlaas.store import Store
 
     url = os.environ["MARLAAS_API_URL"]
     sc = tinker.ServiceClient(base_url=url, api_key=api_key)
@@ -124,5 +126,8 @@ def test_the_sdk_end_to_end(worker_stack, tiny_base, api_key, tmp_path):
     # the SDK's own error types
     with pytest.raises(tinker.NotFoundError):
         sc.create_sampling_client(model_path="tinker://tk999999/sampler_weights/none").result()
-    with pytest.raises(tinker.AuthenticationError):
-        tinker.ServiceClient(base_url=url, api_key="tml-not-a-token")
+    with pytest.raises(tinker.NotFoundError):  # another tenant's model is answered as a missing one
+        other = "tml-" + tenancy.add_tenant(Store(), "tinker-other")
+        tinker.ServiceClient(base_url=url, api_key=other).create_sampling_client(model_path=s0_path).result()
+    with pytest.raises(tinker.AuthenticationError):  # the client connects on its first call
+        tinker.ServiceClient(base_url=url, api_key="tml-not-a-token").get_server_capabilities()
