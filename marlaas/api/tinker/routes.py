@@ -48,7 +48,7 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, tz=UTC).isoformat()
 
 
-def tinker_router(service, limiter, rate: float = 0.0, burst: int = 0) -> APIRouter:
+def tinker_router(service, limiter) -> APIRouter:
     """The /api/v1 routes over a `marlaas.api.service.Service` (its store and authentication)."""
     ts = TinkerStore(service.store)
     router = APIRouter(prefix="/api/v1", tags=["tinker"])
