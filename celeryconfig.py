@@ -36,6 +36,8 @@ task_routes = {
     "marlaas.verify_many": {"queue": "verify"},
     "marlaas.train": {"queue": "train"},
     "marlaas.tick": {"queue": "control"},
+    "marlaas.tinker_train": {"queue": "train"},
+    "marlaas.tinker_sample": {"queue": "generate"},
 }
 
 # Time limits on every task (seconds; MARLAAS_TASK_LIMIT_S scales the station tasks): the soft limit

@@ -2,5 +2,5 @@
 
 from celery import Celery
 
-app = Celery("marlaas", include=["tasks.scheduler", "tasks.generate", "tasks.verify", "tasks.train"])
+app = Celery("marlaas", include=["tasks.scheduler", "tasks.generate", "tasks.verify", "tasks.train", "tasks.tinker"])
 app.config_from_object("celeryconfig")

@@ -1,12 +1,14 @@
 """The scheduler tick: beat sends it every second; every finished task kicks one."""
 
 from marlaas.control import dispatch
+from tasks import tinker
 from tasks.app import app
 from tasks.common import send, store
 
 
 @app.task(name="marlaas.tick", ignore_result=True, acks_late=False)
 def tick() -> dict:
+    tinker.dispatch()  # pending Tinker protocol work -> train / generate messages
     plan = dispatch.tick(store(), send)
     if plan is None:
         return {"skipped": "another tick holds the lock"}

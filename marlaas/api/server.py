@@ -46,6 +46,7 @@ from marlaas.api.errors import status_of
 from marlaas.api.service import TERMINAL, Principal, Service
 from marlaas.api.settings import ApiSettings
 from marlaas.api.tenancy import Quotas
+from marlaas.api.tinker.routes import tinker_router
 from marlaas.errors import MarlaasError, RateLimited, SpecError, TooLarge, Unauthorized
 from marlaas.store import Store
 
@@ -353,6 +354,7 @@ def create_app(store_url: str | None = None, home: Path | None = None, *, open: 
         return service.authenticate(token, loopback_peer=_loopback(peer))
 
     Caller = Depends(principal)
+    app.include_router(tinker_router(service, limiter))  # the Tinker wire protocol under /api/v1
 
     @app.get("/v1/health", response_model=Health)
     def health() -> JSONResponse:

@@ -1,0 +1,101 @@
+"""The built-in loss functions of the Tinker protocol, as pure functions over one datum's tokens.
+
+A Tinker `forward_backward` names a loss and sends, per datum, per-token inputs aligned with the
+model input (position i predicts token i + 1 of the full sequence). With `target_logprobs` the
+log-probabilities the trained policy gives `target_tokens` (the only tensor that carries gradient),
+`sampling_logprobs` the sampler's (Tinker's input "logprobs"), `A` the advantages and `w` the weights,
+each loss is a SUM over tokens (Tinker does not normalise: the client scales advantages or weights):
+
+    cross_entropy        L = -sum_t w_t * target_logprobs_t
+    importance_sampling  L = -sum_t r_t * A_t,            r_t = exp(target_logprobs_t - sampling_logprobs_t)
+    ppo                  L = -sum_t min(r_t * A_t, clip(r_t, lo, hi) * A_t)
+    cispo                L = -sum_t sg(clip(r_t, lo, hi)) * target_logprobs_t * A_t      (sg: no gradient)
+
+`lo` / `hi` are the loss config's `clip_low_threshold` / `clip_high_threshold` (default 0.8 / 1.2,
+epsilon 0.2 either side). Each function returns (loss, per-token elementwise loss) so the caller can
+report both; the tests check hand-computed values (tests/unit/test_tinker_losses.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+CLIP_LOW = 0.8
+CLIP_HIGH = 1.2
+
+LossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], tuple[torch.Tensor, torch.Tensor]]
+"""(target_logprobs_T, inputs by name, config) -> (scalar loss, elementwise loss_T)."""
+
+
+def _need(inputs: Mapping[str, torch.Tensor], name: str, loss: str, like: torch.Tensor) -> torch.Tensor:
+    if name not in inputs:
+        raise ValueError(f"loss {loss!r} needs the loss_fn_input {name!r} (got {', '.join(sorted(inputs)) or 'none'})")
+    t = inputs[name].to(dtype=like.dtype, device=like.device).reshape(-1)
+    if t.shape != like.shape:
+        raise ValueError(f"loss {loss!r}: input {name!r} has {t.numel()} values for {like.numel()} target tokens")
+    return t
+
+
+def _clip(config: Mapping[str, float]) -> tuple[float, float]:
+    lo = float(config.get("clip_low_threshold", CLIP_LOW))
+    hi = float(config.get("clip_high_threshold", CLIP_HIGH))
+    if not 0.0 <= lo <= 1.0 <= hi:
+        raise ValueError(f"clip thresholds must satisfy 0 <= low <= 1 <= high, got low={lo}, high={hi}")
+    return lo, hi
+
+
+def cross_entropy(target_logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+                  config: Mapping[str, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-sum_t w_t * target_logprobs_t (weights default to 1)."""
+    w = (_need(inputs, "weights", "cross_entropy", target_logprobs) if "weights" in inputs
+         else torch.ones_like(target_logprobs))
+    elem = -w * target_logprobs
+    return elem.sum(), elem
+
+
+def importance_sampling(target_logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+                        config: Mapping[str, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-sum_t exp(target - sampling) * A_t."""
+    behav = _need(inputs, "logprobs", "importance_sampling", target_logprobs)
+    adv = _need(inputs, "advantages", "importance_sampling", target_logprobs)
+    elem = -torch.exp(target_logprobs - behav) * adv
+    return elem.sum(), elem
+
+
+def ppo(target_logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+        config: Mapping[str, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-sum_t min(r_t A_t, clip(r_t, lo, hi) A_t)."""
+    lo, hi = _clip(config or {})
+    behav = _need(inputs, "logprobs", "ppo", target_logprobs)
+    adv = _need(inputs, "advantages", "ppo", target_logprobs)
+    ratio = torch.exp(target_logprobs - behav)
+    elem = -torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
+    return elem.sum(), elem
+
+
+def cispo(target_logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+          config: Mapping[str, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-sum_t sg(clip(r_t, lo, hi)) * target_logprobs_t * A_t."""
+    lo, hi = _clip(config or {})
+    behav = _need(inputs, "logprobs", "cispo", target_logprobs)
+    adv = _need(inputs, "advantages", "cispo", target_logprobs)
+    weight = torch.exp(target_logprobs - behav).clamp(lo, hi).detach()
+    elem = -weight * target_logprobs * adv
+    return elem.sum(), elem
+
+
+LOSSES: dict[str, LossFn] = {
+    "cross_entropy": cross_entropy,
+    "importance_sampling": importance_sampling,
+    "ppo": ppo,
+    "cispo": cispo,
+}
+
+
+def loss_fn(name: str) -> LossFn:
+    """The loss of this name; ValueError naming the supported ones otherwise."""
+    if name not in LOSSES:
+        raise ValueError(f"loss_fn {name!r} is not supported here (supported: {', '.join(LOSSES)})")
+    return LOSSES[name]
