@@ -9,6 +9,10 @@ client per thread) and (b) the old direct path, `marlaas.api.client.Client` over
 `Job.status` for the read). Reports p50 / p99 latency and throughput per (path, op, c). No workers:
 the submitted jobs are tiny and never run. The client threads share one Python process (and its
 GIL) with each other, not with the server.
+
+Then (--first-generate N, default 5; 0 skips it) the stations start on a tiny test base, and N jobs
+are submitted one at a time through each path, alternating: the time from the submit call to the
+start of the first generate task of that job (its station event), API versus direct.
 """
 
 from __future__ import annotations
@@ -75,10 +79,43 @@ def wait_http(url: str, timeout: float = 30.0) -> None:
     raise RuntimeError(f"the API server at {url} did not answer within {timeout:.0f} s")
 
 
+def first_generate(stack, store, url: str, headers: dict, direct, home: Path, n: int) -> dict:
+    """Submit n jobs through each path (alternating) with the stations running; seconds from the submit
+    call to the start of the job's first generate task."""
+    import httpx
+
+    from marlaas.base.pretrain import ensure_base
+    from marlaas.ops.embedded import wait_for_workers
+
+    base = ensure_base(home / "base-test", preset="test", seed=0, progress=False, threads=1)
+    stack.env.update({"MARLAAS_BASE": str(base), "MARLAAS_ENGINE": "hf", "MARLAAS_THREADS": "1"})
+    stack.start("control", "generate", "verify", "train", "beat")
+    wait_for_workers(store, timeout=240)
+    h = httpx.Client(base_url=url, headers=headers, timeout=60)
+    spec = dict(SPEC, steps=2)
+    times: dict[str, list[float]] = {"http": [], "direct": []}
+    for i in range(2 * n):
+        path = ("http", "direct")[i % 2]
+        t0 = time.time()
+        jid = h.post("/v1/jobs", json=spec).json()["id"] if path == "http" else direct.submit(dict(spec)).id
+        while True:
+            starts = [e["start"] for e in store.events(since=t0) if e["station"] == "generate" and jid in e["jobs"]]
+            if starts:
+                times[path].append(min(starts) - t0)
+                break
+            if time.time() - t0 > 120:
+                raise RuntimeError(f"job {jid} saw no generate task in 120 s (see the logs under {home})")
+            time.sleep(0.005)
+        store.set_status(jid, "cancelled")
+    return {p: {"n": len(v), "median_ms": round(statistics.median(v) * 1e3, 1),
+                "max_ms": round(max(v) * 1e3, 1)} for p, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=256, help="requests per (path, operation, concurrency)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--first-generate", type=int, default=5, help="jobs per path for submit -> first generate")
     ap.add_argument("--out", type=Path, default=Path("results/api.json"))
     a = ap.parse_args()
     if a.requests < 1 or a.requests > 10_000 or max(a.concurrency) > 256:
@@ -136,8 +173,11 @@ def main() -> None:
                 r = {"path": path, "op": op, **run_level(make, c, a.requests)}
                 results.append(r)
                 print(json.dumps(r), flush=True)
+        first = first_generate(stack, store, url, headers, direct, home, a.first_generate) if a.first_generate else None
         out = {
-            "command": f"bench/api.py --requests {a.requests} --concurrency {' '.join(map(str, a.concurrency))}",
+            "command": f"bench/api.py --requests {a.requests} --concurrency {' '.join(map(str, a.concurrency))} "
+                       f"--first-generate {a.first_generate}",
+            "submit_to_first_generate": first,
             "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
             "server": "uvicorn, 1 process, FastAPI sync routes (thread pool), rate limit off; embedded Redis",
             "spec": SPEC,
