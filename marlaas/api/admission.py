@@ -19,11 +19,13 @@ from marlaas.errors import BaseModelError, SpecError
 from marlaas.settings import get_settings
 from marlaas.spec import JobSpec, parse_spec
 from marlaas.store import Store
+from marlaas.verify.graders import check_submit as check_verifiers
 
 
 def admit(store: Store, tenant: str | None, spec: JobSpec | dict) -> str:
     """Validate a tenant's job and store it; returns the job id."""
     spec = tenancy.check_submit(store, tenant, parse_spec(spec))
+    check_verifiers(store, tenant, spec)  # registered names only, for tenants
     dep = store.deployment()
     if spec.base_model and dep.get("base_name") and spec.base_model not in (dep["base_name"], dep.get("base")):
         raise BaseModelError(f"this deployment serves base {dep['base_name']!r}, not {spec.base_model!r}")

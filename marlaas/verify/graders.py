@@ -457,3 +457,45 @@ def grade_group(grader, item: Mapping, completions: list[str],
                 registered: Mapping[str, str] | None = None) -> GroupScore:
     """Score one group of completions of one row (see grade_groups)."""
     return grade_groups(grader, [(item, completions)], registered)[0]
+
+
+# ---------------------------------------------------------------- registered names at the boundary
+def register(store, name: str, path: str) -> None:
+    """Register (or replace) `name -> path` (operator only: the caller checks who asks). The path is
+    checked and imported here, so a typo is refused now rather than in every verify worker."""
+    from marlaas.verify.registry import check_name, import_function
+
+    check_name(name)
+    if name in BUILTIN:
+        raise VerifierError(f"{name!r} is a built-in verifier; pick another name")
+    import_function(path)
+    store.register_verifier(name, path)
+
+
+def check_spec_verifier(name: str) -> None:
+    """A job spec's `verifier`: a built-in, a registered name (whether it IS registered is checked at
+    submit, where the store is: `check_submit`) or a strict import path that resolves here."""
+    from marlaas.verify.registry import NAME
+    from marlaas.verify.verifiers import check_verifier_name
+
+    if name in BUILTIN or (isinstance(name, str) and NAME.fullmatch(name)):
+        return
+    check_verifier_name(name)
+
+
+def check_submit(store, tenant: str | None, spec) -> None:
+    """At submit: a tenant names only built-ins and registered verifiers (in `verifier` or in a
+    grader's `builtin` nodes); the operator and the in-process client may also name an import path."""
+    names = builtin_names(spec.grader) if spec.grader is not None else set()
+    if spec.verifier is not None:
+        names.add(spec.verifier)
+    registered = None
+    for name in sorted(names - set(BUILTIN)):
+        if ":" in name:
+            if tenant is not None:
+                raise SpecError(f"invalid job spec: verifier {name!r}: tenants name registered verifiers only, "
+                                "not import paths (ask the operator to register it)")
+            continue
+        registered = store.registered_verifiers() if registered is None else registered
+        if name not in registered:
+            raise SpecError(f"invalid job spec: verifier {name!r} is not registered: ask the operator to register it")

@@ -1,9 +1,11 @@
 """Operator-registered custom verifiers: names tenants may use, each bound to ONE trusted function.
 
 A custom verifier is operator code imported in the verify worker, so tenants never name code: the
-operator registers `name -> "package.module:function"` (`register`, stored in the Store's registry,
-empty by default) and a tenant's job names only `name` (in `JobSpec.verifier` or a `builtin`
-grader). Invariants of an import path, checked at registration and again at every import:
+operator registers `name -> "package.module:function"` (`marlaas.verify.graders.register`, stored in
+the Store's registry, empty by default) and a tenant's job names only `name` (in `JobSpec.verifier`
+or a `builtin` grader; `marlaas.verify.graders.check_submit` at admission).
+
+Invariants of an import path, checked at registration and again at every import:
 
 - the form is `dotted.module:function`: the function part is ONE identifier (`pkg.mod:a.b` is refused
   outright; resolution never walks attributes);
@@ -104,18 +106,6 @@ def check_name(name: str) -> None:
     """VerifierError unless `name` has the form of a registered name."""
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise VerifierError(f"invalid verifier name {name!r}: 1-64 lower-case letters, digits, '_' or '-'")
-
-
-def register(store, name: str, path: str) -> None:
-    """Register (or replace) `name -> path` (operator only: the caller checks who asks). The path is
-    checked and imported here, so a typo is refused now rather than in every verify worker."""
-    from marlaas.verify.verifiers import BUILTIN
-
-    check_name(name)
-    if name in BUILTIN:
-        raise VerifierError(f"{name!r} is a built-in verifier; pick another name")
-    import_function(path)
-    store.register_verifier(name, path)
 
 
 def unregister(store, name: str) -> bool:
