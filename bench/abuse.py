@@ -162,7 +162,8 @@ def main() -> None:
                 break
         record("request flood", "rate limited" if 429 in codes else "NOT limited",
                {"requests_until_429": len(codes)}, 429 in codes)
-        grader = {"type": "python", "name": "spin", "source": "def grade(sample, item):\n    while True:\n        pass\n"}
+        spin = "def grade(sample, item):\n    while True:\n        pass\n"
+        grader = {"type": "python", "name": "spin", "source": spin}
         r = attacker.post("/v1/jobs", json={"dataset": rows, "grader": grader, "steps": 2, "eval_size": 1,
                                             "prompts_per_step": 1, "group_size": 2})
         record("python grader `while True: pass`", f"answered {r.status_code}: a run is bounded by the "

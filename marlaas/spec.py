@@ -21,6 +21,7 @@ from pydantic import (
 
 from marlaas.api.datasets_io import format_error
 from marlaas.errors import SpecError
+from marlaas.verify.graders import Grader
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -190,7 +191,11 @@ class JobSpec(BaseModel):
     """Render each prompt with the base model's chat template (one user message plus the generation
     prompt) at submit: None = when the base has one, False = never, True = required."""
     verifier: str | None = None
-    """'exact', 'math', 'code' or 'package.module:function'; default: the task's own verifier."""
+    """'exact', 'math', 'code', a name the operator registered (`marlaas.verify.registry`), or (operator
+    only) 'package.module:function'; default: the task's own verifier. Excludes `grader`."""
+    grader: Grader | None = None
+    """A grader uploaded with the job (`marlaas.verify.graders`: string_check, text_similarity, python,
+    multi, builtin); excludes `verifier`. Rows then need only a prompt (the grader reads their fields)."""
     steps: int = Field(40, ge=1, le=100_000)
     """Number of training steps; the job publishes adapter versions 1..steps."""
     group_size: int = Field(8, ge=2, le=256)
@@ -251,7 +256,7 @@ class JobSpec(BaseModel):
                 if not isinstance(row, dict) or not isinstance(row.get(self.prompt_field), str) \
                         or not row[self.prompt_field]:
                     raise ValueError(f"{what} row {i} needs a non-empty string {self.prompt_field!r}")
-                if self.answer_field not in row and self.tests_field not in row:
+                if self.grader is None and self.answer_field not in row and self.tests_field not in row:
                     raise ValueError(f"{what} row {i} needs an {self.answer_field!r} "
                                      f"(or {self.tests_field!r} for the code verifier)")
         if self.prompt_field in (self.answer_field, self.tests_field) or self.answer_field == self.tests_field:
@@ -262,7 +267,7 @@ class JobSpec(BaseModel):
     def _task_or_dataset(self) -> JobSpec:
         from marlaas import families
         from marlaas.verify import reasoning_gym
-        from marlaas.verify.verifiers import check_verifier_name
+        from marlaas.verify.graders import check_spec_verifier
 
         if (self.task is None) == (self.dataset is None):
             raise ValueError("give exactly one of 'task' (a built-in family) or 'dataset'")
@@ -273,15 +278,19 @@ class JobSpec(BaseModel):
                              "or 'reasoning_gym:NAME'")
         if self.task_config is not None and not reasoning_gym.is_task(self.task):
             raise ValueError("task_config is only for a 'reasoning_gym:NAME' task")
+        if self.verifier is not None and self.grader is not None:
+            raise ValueError("give either 'verifier' or 'grader', not both")
         if self.verifier is not None:
-            check_verifier_name(self.verifier)
+            check_spec_verifier(self.verifier)
         if self.eval_every > self.steps:
             raise ValueError(f"eval_every ({self.eval_every}) is more than steps ({self.steps}); "
                              "0 evaluates only at version 0 and the end")
         return self
 
     def verifier_name(self) -> str:
-        """The verifier this job uses."""
+        """The verifier this job uses ('grader' for a job with a non-builtin grader)."""
+        if self.grader is not None:
+            return self.grader.verifier if self.grader.type == "builtin" else "grader"
         if self.verifier is not None:
             return self.verifier
         if self.task is not None:

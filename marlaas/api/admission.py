@@ -19,6 +19,7 @@ from marlaas.errors import BaseModelError, SpecError, StoreFull
 from marlaas.settings import get_settings
 from marlaas.spec import JobSpec, parse_spec
 from marlaas.store import Store
+from marlaas.verify.graders import check_submit as check_verifiers
 
 
 def admit(store: Store, tenant: str | None, spec: JobSpec | dict) -> str:
@@ -29,6 +30,7 @@ def admit(store: Store, tenant: str | None, spec: JobSpec | dict) -> str:
         raise StoreFull(f"the service's store is full ({used >> 20} of {cap >> 20} MiB used): new jobs are "
                         "refused until running ones finish; try again later")
     spec = tenancy.check_submit(store, tenant, parse_spec(spec))
+    check_verifiers(store, tenant, spec)  # registered names only, for tenants
     dep = store.deployment()
     if spec.base_model and dep.get("base_name") and spec.base_model not in (dep["base_name"], dep.get("base")):
         raise BaseModelError(f"this deployment serves base {dep['base_name']!r}, not {spec.base_model!r}")

@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from marlaas.api.errors import status_of
+from marlaas.api.graders_api import graders_router
 from marlaas.api.service import TERMINAL, Principal, Service
 from marlaas.api.settings import ApiSettings
 from marlaas.api.tenancy import Quotas
@@ -460,6 +461,7 @@ def create_app(store_url: str | None = None, home: Path | None = None, *, open: 
         quotas = body.quotas.model_dump() if body.quotas is not None else None
         return {"tenant": body.name, "token": service.add_tenant(p, body.name, quotas)}
 
+    app.include_router(graders_router(Caller))
     return app
 
 

@@ -29,6 +29,7 @@ Key schema (prefix `m:`):
   m:workers                     set of worker names that beat (the registry; dead names pruned on read)
   m:tenants                     hash tenant -> JSON {token_sha256, quotas}  (empty = single-user mode)
   m:tokens                      hash sha256(token) -> tenant
+  m:verifiers                   hash registered verifier name -> package.module:function (operator's)
   m:sched:lock / m:sched:kick   scheduler mutex / pending-kick flag
   m:sched:wake                  list (at most one element): a new job asks the control worker for a
                                 tick now instead of at the next beat (workers/control.py waits on it)
@@ -103,6 +104,7 @@ from marlaas.store.lanes import KEEP_VERSIONS_EXTRA, LaneOps  # noqa: F401  (re-
 from marlaas.store.observe import ObserveOps
 from marlaas.store.tenants import TenantOps
 from marlaas.store.tick import TickOps
+from marlaas.store.verifier_registry import VerifierRegistryOps
 from marlaas.store.work import WorkOps
 
 
@@ -126,7 +128,7 @@ def _client(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
 
 
-class Store(JobOps, WorkOps, LaneOps, TenantOps, ObserveOps, HygieneOps, TickOps):
+class Store(JobOps, WorkOps, LaneOps, TenantOps, ObserveOps, HygieneOps, VerifierRegistryOps, TickOps):
     """Typed access to the Redis store, one mixin per concern. Every method is one or a few round trips."""
 
     def __init__(self, url: str | None = None):

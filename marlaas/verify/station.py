@@ -37,13 +37,12 @@ def run_verify_many(store: Store, items: list[tuple[str, str, list[int]]]) -> in
 def run_verify(store: Store, jid: str, kind: str, idxs: list[int], advanced: list | None = None) -> int:
     """Score groups (kind 'train') or a held-out evaluation (kind 'eval'); returns items accepted.
     `advanced`: a tool job's groups already through their tool calls (run_verify_many)."""
-    from marlaas.verify.verifiers import score_groups
+    from marlaas.verify.job_scoring import score_job
 
     status = store.job_fields(jid, "status")[0]
     if status not in ACTIVE_STATUSES:
         return 0
     spec = store.spec(jid)
-    verifier = spec.verifier_name()
     accepted = 0
     if kind == "train":
         if advanced is not None:
@@ -52,7 +51,9 @@ def run_verify(store: Store, jid: str, kind: str, idxs: list[int], advanced: lis
             rolls = [(g, r) for g in idxs if (r := store.rollout(jid, g)) is not None]
             if families.tool_of(spec):  # groups with pending tool calls go back to generate (agentic)
                 rolls = agentic.advance_groups(store, jid, rolls, get_settings().tool_url)
-        scores = score_groups(verifier, [(r["row"], [c["text"] for c in r["completions"]]) for _, r in rolls])
+        scores = score_job(store, jid, spec, [(r["row"], [c["text"] for c in r["completions"]]) for _, r in rolls])
+        if scores is None:  # the job's grader cannot load or kept failing: the job was failed
+            return 0
         for (g, roll), res in zip(rolls, scores):
             if res.errors:
                 store.incr_field(jid, "verify_errors", res.errors)
@@ -64,7 +65,10 @@ def run_verify(store: Store, jid: str, kind: str, idxs: list[int], advanced: lis
         if ev is None:
             continue
         # One scoring call per row: the greedy completion first, then its sampled ones (if any).
-        scores = score_groups(verifier, [(r["row"], [r["text"], *r.get("samples", [])]) for r in ev["rows"]])
+        scores = score_job(store, jid, spec, [(r["row"], [r["text"], *r.get("samples", [])]) for r in ev["rows"]],
+                           "eval")
+        if scores is None:
+            return accepted
         sampled = [s.rewards[1:] for s in scores] if all(r.get("samples") for r in ev["rows"]) else None
         result = evaluation.summarize([s.rewards[0] for s in scores], sampled)
         # The greedy outputs are kept with the score: an exported adapter must reproduce them.

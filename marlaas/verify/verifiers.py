@@ -17,9 +17,10 @@ A verifier is `fn(completion: str, row: dict) -> float` (a bool counts as 0.0/1.
   is executed as a module, then the tests run in its namespace. 1.0 when every test passes. The whole
   group runs in ONE sandbox batch (see `sandbox`): model-written code never runs in this process.
 - `package.module:function`: a custom verifier, imported in the verify worker (trusted operator
-  code). Standard-library modules and builtins are refused (`builtins:eval` would run model output
-  unsandboxed); `MARLAAS_VERIFIER_MODULES`, when set, is a comma-separated allow-list of module
-  prefixes.
+  code; tenants name it only through a name the operator registered, `marlaas.verify.registry`).
+  The function part is one name (attributes are never walked); standard-library modules, builtins
+  and denied packages are refused, and the function must be defined in that module;
+  `MARLAAS_VERIFIER_MODULES`, when set, is a comma-separated allow-list of module prefixes.
 - `tool`: a multi-turn tool episode (the `calc` task): `exact` on its final answer, the text after
   its last tool call and result (`marlaas.tools.episodes.final_answer`).
 
@@ -31,23 +32,13 @@ A program that fails its tests is a 0.0 reward, not an error.
 from __future__ import annotations
 
 import functools
-import importlib
-import inspect
 import math
-import os
-import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from marlaas.errors import VerifierError
 
 Verifier = Callable[[str, dict], "float | bool"]
 
 BUILTIN = ("exact", "math", "code", "tool", "reasoning_gym")
-_DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
-_NAME = re.compile(rf"^{_DOTTED}:{_DOTTED}$", re.ASCII)
-ALLOW_ENV = "MARLAAS_VERIFIER_MODULES"
 _ERROR_MAX = 300
 
 
@@ -178,43 +169,22 @@ _BUILTIN_FNS: dict[str, Verifier] = {"exact": exact_verifier, "math": math_verif
 # ---------------------------------------------------------------- registry
 
 
-def _allowed_by_env(module: str) -> bool:
-    allowed = [p.strip() for p in os.environ.get(ALLOW_ENV, "").split(",") if p.strip()]
-    return not allowed or any(module == p or module.startswith(p + ".") for p in allowed)
-
-
 @functools.lru_cache(maxsize=256)
 def _import_custom(name: str) -> Verifier:
-    module_name, _, attr = name.partition(":")
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - any import failure is the user's one-line error
-        raise VerifierError(f"verifier {name!r}: cannot import {module_name!r} ({_one_line(e)})") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise VerifierError(f"verifier {name!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj) or inspect.isbuiltin(obj) or inspect.isclass(obj):
-        raise VerifierError(f"verifier {name!r} is not a Python function")
-    try:
-        inspect.signature(obj).bind("completion", {})
-    except (TypeError, ValueError) as e:
-        raise VerifierError(f"verifier {name!r} must accept (completion, row): {_one_line(e)}") from e
-    return obj
+    from marlaas.verify.registry import import_function
+
+    return import_function(name)
 
 
 def resolve_verifier(name: str) -> Verifier:
-    """The verifier function for a name; VerifierError (one line) if it cannot be resolved."""
+    """The verifier function for a built-in name or an import path (strict: `marlaas.verify.registry`);
+    VerifierError (one line) if it cannot be resolved. Registered names are mapped to their import
+    path by the caller (`registry.resolve`), which holds the store."""
     if name in _BUILTIN_FNS:
         return _BUILTIN_FNS[name]
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise VerifierError(f"unknown verifier {name!r}: use 'exact', 'math', 'code' or 'package.module:function'")
-    module_name = name.partition(":")[0]
-    top = module_name.split(".")[0]
-    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
-        raise VerifierError(f"verifier {name!r}: standard-library functions cannot be verifiers")
-    if not _allowed_by_env(module_name):
-        raise VerifierError(f"verifier {name!r}: module not in {ALLOW_ENV}")
+    from marlaas.verify.registry import check_path
+
+    check_path(name)
     return _import_custom(name)
 
 

@@ -1,0 +1,54 @@
+"""End to end: a python-grader job and a multi-grader job learn on the worker stack, and a grader that
+loops forever ends its job (failed, errors counted) instead of hanging it.
+
+Task data: the built-in "sort" family's rows, submitted as a dataset with a grader instead of the
+family's verifier. "Learns": the mean reward of the last steps is above that of the first steps.
+"""
+
+import pytest
+
+from marlaas import Client, JobSpec, families
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+PARTIAL = (
+    "def grade(sample, item):\n"
+    "    out, ans = sample['output_text'].strip(), item['answer']\n"
+    "    if out == ans:\n        return 1.0\n"
+    "    hits = sum(1 for a, b in zip(out, ans) if a == b)\n"
+    "    return 0.5 * hits / max(len(ans), len(out), 1)\n"
+)
+MULTI = {"type": "multi", "calculate_output": "0.6 * exact + 0.4 * fuzzy", "graders": {
+    "exact": {"type": "string_check", "input": "{{sample.output_text}}", "reference": "{{item.answer}}",
+              "operation": "eq"},
+    "fuzzy": {"type": "text_similarity", "input": "{{sample.output_text}}", "reference": "{{item.answer}}",
+              "evaluation_metric": "fuzzy_match"}}}
+
+
+def _spec(grader: dict, steps: int = 12, seed: int = 0) -> JobSpec:
+    rows = families.rows("sort", "train", 256, seed)
+    return JobSpec(dataset=[{"prompt": r["prompt"], "answer": r["answer"]} for r in rows], grader=grader,
+                   steps=steps, prompts_per_step=4, group_size=8, eval_size=8, learning_rate=1e-2, seed=seed)
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+@pytest.mark.parametrize("grader", [{"type": "python", "source": PARTIAL}, MULTI], ids=["python", "multi"])
+def test_a_grader_job_learns(worker_stack, grader):
+    job = Client().submit(_spec(grader))
+    final = job.wait(timeout=1800)
+    assert final["status"] == "done", final
+    assert final["verify_errors"] == 0
+    rewards = [s["reward_mean"] for s in job.metrics()["steps"]]
+    assert _mean(rewards[-3:]) > _mean(rewards[:3]), rewards
+
+
+def test_an_endless_grader_ends_its_job(worker_stack):
+    loop = {"type": "python", "source": "def grade(sample, item):\n    while True:\n        pass\n", "timeout_s": 0.2}
+    final = Client().submit(_spec(loop, steps=4)).wait(timeout=900)
+    assert final["status"] in ("failed", "done"), final
+    assert final["verify_errors"] > 0
+    if final["status"] == "failed":
+        assert "groups in a row" in final["error"]
