@@ -313,4 +313,5 @@ def parse_spec(data: dict | JobSpec) -> JobSpec:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err.get("loc", ()))
         msg = err.get("msg", "invalid").removeprefix("Value error, ")
-        raise SpecError(f"invalid job spec: {where + ': ' if where else ''}{msg}") from None
+        line = " ".join(f"invalid job spec: {where + ': ' if where else ''}{msg}".split())  # one line, always
+        raise SpecError(line if len(line) <= 300 else line[:297] + "...") from None

@@ -59,7 +59,7 @@ def format_error(path: str | Path, what: str = "dataset") -> str | None:
         return (f"{what} {p.name or path}: a directory, but not one written by datasets' save_to_disk "
                 "(no state.json or dataset_dict.json)")
     if not p.is_file():
-        return f"{what} file not found: {path}"
+        return f"{what} file not found: {str(path)!r}"
     if p.suffix.lower() not in SUFFIXES:
         return (f"{what} {p.name}: unknown format {p.suffix or '(no extension)'!r}; give a .jsonl or "
                 ".parquet file or a directory written by datasets' save_to_disk")
