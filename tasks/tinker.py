@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from marlaas.store.tinker import TinkerStore
 from tasks.app import app
-from tasks.common import kick, send, station_event, store
+from tasks.common import kick, send, station_event, store, worker_name
 
 
 @lru_cache(maxsize=1)
@@ -21,23 +21,32 @@ def tinker_store() -> TinkerStore:
 
 
 def dispatch() -> int:
-    """Send one train task per model with queued ops and one generate task for the pending samples."""
-    models, samples = tinker_store().take_pending()
-    messages = [("marlaas.tinker_train", [m]) for m in models]
+    """Send one generate task for the pending samples. Training ops wait for the trainer lane: the
+    scheduler tick gives it to a model in the same weighted round-robin as job steps."""
+    samples = tinker_store().take_samples()
     if samples:
-        messages.append(("marlaas.tinker_sample", [samples]))
-    send(messages)
-    return len(messages)
+        send([("marlaas.tinker_sample", [samples])])
+    return len(samples)
 
 
 @app.task(name="marlaas.tinker_train", ignore_result=True)
-def tinker_train(model_id: str) -> dict:
+def tinker_train(model_id: str, token: str) -> dict:
+    """One step of a Tinker model on the trainer lane (its queued ops up to and including the next
+    optim_step), under the lease the tick took for it; then the lane is free and the model goes back
+    to the candidates if ops remain."""
     from marlaas.train.tinker_ops import TinkerTrainer
-    from tasks.train import engine
+    from tasks.train import engine, tick_here
 
-    with station_event("train", [model_id], tinker=True):
-        n = TinkerTrainer(tinker_store(), engine()).run_queue(model_id)
-    kick()
+    ts = tinker_store()
+    store().claim_trainer(token, f"train@{worker_name()}")
+    try:
+        with station_event("train", [model_id], tinker=True):
+            n = TinkerTrainer(ts, engine()).run_queue(model_id, until_step=True)
+    finally:
+        store().release_trainer(token)
+        if ts.queue_length(model_id):
+            ts.mark_pending(model_id)
+        tick_here()
     return {"ops": n}
 
 

@@ -260,7 +260,8 @@ def tick(store: Store, send: Send, now: float | None = None, memory: TickMemory 
         now = time.time() if now is None else now
         snap = snapshot(store, now, memory)  # clears the kick flag first
         plan = scheduler.plan(snap)
-        apply(store, plan, send, snap)
+        lane = _lane_candidates(store, snap, plan)
+        apply(store, plan, send, snap, lane)
         if now - memory.last_gc.get(store.url, 0.0) > GC_EVERY_S:  # ended jobs' bulk data, a few at a time
             memory.last_gc[store.url] = now
             gone = store.collect_garbage(now, get_settings().retention_s)
@@ -271,20 +272,46 @@ def tick(store: Store, send: Send, now: float | None = None, memory: TickMemory 
         store.release_lock(token)
 
 
-def apply(store: Store, plan: scheduler.Plan, send: Send, snap: scheduler.Snapshot) -> None:
+def _lane_candidates(store: Store, snap: scheduler.Snapshot, plan: scheduler.Plan) -> list[scheduler.JobState]:
+    """Tinker models with queued training ops, as trainer candidates next to the jobs (the same
+    weighted round-robin, the same per-tenant shares): each with its tenant's plan weight and its own
+    pass (a new model starts at the virtual time, like a new job). Read only while the lane is free."""
+    if not snap.trainer_free:
+        return []
+    from marlaas.api.tenancy import plan_of
+    from marlaas.store.tinker import TinkerStore
+
+    models = TinkerStore(store).lane_candidates()
+    if not models:
+        return []
+    passes = store.lane_passes([m for m, _ in models])
+    return [scheduler.JobState(id=m, version=0, steps=1 << 30, staleness=0, groups_per_step=1, group_size=1,
+                               dispatched=0, weight=plan_of(store, tenant or None).weight, pass_value=passes[m],
+                               ready=True, tenant=tenant) for m, tenant in models]
+
+
+def apply(store: Store, plan: scheduler.Plan, send: Send, snap: scheduler.Snapshot,
+          lane: list[scheduler.JobState] | None = None) -> None:
     """Write every lease, in-flight batch, dispatch counter and the trainer lane in one atomic script
     call (store.tick_write), then send the messages in one call (a crash in between, or a send that
-    fails, leaves leases that expire and are dispatched again, and a trainer lease that expires)."""
+    fails, leaves leases that expire and are dispatched again, and a trainer lease that expires).
+    `lane`: Tinker models wanting the trainer; the lane goes to whichever of them and the job the
+    plan picked comes first in `scheduler.trainer_order`."""
     s = get_settings()
     batch_ids = [uuid.uuid4().hex[:12] for _ in plan.gen_batches]
     items = [it for batch in plan.gen_batches for it in batch]
     relet = [item_name(k, j, i) for k, j, i in items[:plan.relet]]
     relet += [item_name(k, j, i) for k, j, i in plan.verify]
     new = [item_name(k, j, i) for k, j, i in items[plan.relet:]]
-    train = None
-    if plan.train is not None:
-        jid, t = plan.train
-        train = (jid, t, scheduler.lane_weights(snap.jobs)[jid], s.train_lease_s)  # fair per tenant
+    train, tinker = None, None
+    everyone = [*snap.jobs, *(lane or [])]
+    picks = [j for j in snap.jobs if plan.train is not None and j.id == plan.train[0]] + list(lane or [])
+    if picks:
+        first = min(picks, key=scheduler.trainer_order)
+        weight = scheduler.lane_weights(everyone)[first.id]  # fair per tenant, jobs and Tinker models alike
+        train = (first.id, first.version, weight, s.train_lease_s)
+        if plan.train is None or first.id != plan.train[0]:
+            tinker, plan.train = first.id, None
     token = store.tick_write(relet, new, s.lease_s, batch_ids, plan.dispatched, train)
     messages = [("marlaas.generate", [batch_id, [list(it) for it in batch]])
                 for batch_id, batch in zip(batch_ids, plan.gen_batches)]
@@ -292,7 +319,12 @@ def apply(store: Store, plan: scheduler.Plan, send: Send, snap: scheduler.Snapsh
     for kind, jid, idx in plan.verify:
         verify.setdefault((jid, "train" if kind == ItemKind.VER else "eval"), []).append(idx)
     messages += [("marlaas.verify", [jid, kind, idxs]) for (jid, kind), idxs in verify.items()]
-    if token is not None:
+    if token is not None and tinker is not None:
+        from marlaas.store.tinker import TinkerStore
+
+        TinkerStore(store).take_model(tinker)  # back among the candidates when its task ends with ops left
+        messages.append(("marlaas.tinker_train", [tinker, token]))
+    elif token is not None:
         messages.append(("marlaas.train", [plan.train[0], plan.train[1], token]))
     if messages:
         send(messages)

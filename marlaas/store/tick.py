@@ -187,3 +187,14 @@ class TickOps:
         self.sync_rows([jid], pipe=p)
         old = p.execute()[0]
         self.r.set(VT, old or b"0")
+
+    def lane_passes(self, ids: list[str]) -> dict[str, float]:
+        """The trainer-lane pass of each id (a Tinker model: the pass the tick charges it, kept under
+        its id like a job's); one never charged starts at the virtual time."""
+        p = self.r.pipeline(transaction=False)
+        p.get(VT)
+        for i in ids:
+            p.hget(job_key(i), "pass")
+        vt, *passes = p.execute()
+        start = float(vt or 0.0)
+        return {i: float(x) if x is not None else start for i, x in zip(ids, passes)}

@@ -208,15 +208,28 @@ class TinkerStore:
         p.execute()
         return rid
 
-    def take_pending(self, max_samples: int = 64) -> tuple[list[str], list[str]]:
-        """(models with queued ops, sample request ids), removed from the pending sets atomically."""
+    def take_samples(self, max_samples: int = 64) -> list[str]:
+        """Pending sample request ids, removed from the pending list atomically."""
         p = self.r.pipeline()
-        p.smembers(PENDING_TRAIN)
-        p.delete(PENDING_TRAIN)
         p.lrange(PENDING_SAMPLE, 0, max_samples - 1)
         p.ltrim(PENDING_SAMPLE, max_samples, -1)
-        models, _, samples, _ = p.execute()
-        return sorted(_s(m) for m in models), [_s(s) for s in samples]
+        samples, _ = p.execute()
+        return [_s(s) for s in samples]
+
+    def lane_candidates(self) -> list[tuple[str, str]]:
+        """(model, tenant) of every model with queued training ops: candidates for the one trainer lane,
+        in the same weighted round-robin as job steps (the tick picks among them and the jobs)."""
+        mids = sorted(_s(m) for m in self.r.smembers(PENDING_TRAIN))
+        if not mids:
+            return []
+        p = self.r.pipeline(transaction=False)
+        for m in mids:
+            p.hget(model_key(m), "tenant")
+        return [(m, _s(t) or "") for m, t in zip(mids, p.execute()) if t is not None]
+
+    def take_model(self, mid: str) -> None:
+        """The tick gave the lane to this model: off the pending set until its task puts it back."""
+        self.r.srem(PENDING_TRAIN, mid)
 
     def mark_pending(self, mid: str) -> None:
         self.r.sadd(PENDING_TRAIN, mid)

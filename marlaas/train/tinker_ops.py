@@ -95,8 +95,9 @@ class TinkerTrainer:
         return self.engine.adapter_blob(mid), self.engine.optimizer_bytes(mid)
 
     # ---------------------------------------------------------------- ops
-    def run_queue(self, mid: str) -> int:
-        """Run every queued op of model `mid` in seq order; returns how many ran."""
+    def run_queue(self, mid: str, until_step: bool = False) -> int:
+        """Run the queued ops of model `mid` in seq order (with `until_step`, up to and including the
+        next optim_step: one trainer step); returns how many ran."""
         n = 0
         while (rid := self.ts.next_op(mid)) is not None:
             req = self.ts.request(rid)
@@ -114,6 +115,8 @@ class TinkerTrainer:
             else:
                 self.ts.finish(rid, result)
             n += 1
+            if until_step and req["kind"] == "optim_step":
+                break
         return n
 
     def _forward(self, mid: str, meta: dict, body: dict, backward: bool) -> dict:

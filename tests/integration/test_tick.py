@@ -284,3 +284,40 @@ def test_trainer_shares_are_fair_per_tenant_over_the_real_tick(st):
                           1000)
     assert picks["many"] + picks["one"] == 90
     assert abs(picks["many"] - picks["one"]) <= 9, picks  # within 10% of the 90 steps
+
+
+@pytest.mark.integration
+def test_a_tinker_model_shares_the_trainer_lane_fairly_with_jobs(st):
+    """A Tinker client that always has ops queued, next to two tenants' jobs that are always ready:
+    over the real tick each of the three tenants (equal plans) gets a third of the trainer's steps."""
+    from marlaas.store.tinker import PENDING_TRAIN, TinkerStore, model_key
+    from marlaas.types import AdapterBlob
+
+    jobs = [make_job(st, "a", steps=1000), make_job(st, "b", steps=1000), make_job(st, "b", steps=1000)]
+    mid = "tk_test1"
+    st.r.hset(model_key(mid), mapping={"tenant": "c"})
+    P, picks = 2, {}
+    for _ in range(60):
+        TinkerStore(st).mark_pending(mid)  # the client keeps sending forward_backward + optim_step
+        for jid in jobs:
+            t = st.job(jid).version
+            for g in range(t * P, (t + 1) * P):
+                if st.rollout(jid, g) is None:
+                    att = st.put_rollout(jid, g, t, {"row": {}, "completions": []})
+                    st.accept_rewards(jid, g, att, {"rewards": [1.0]})
+        sent = []
+        dispatch.tick(st, sent.extend)
+        trains = [(name, args) for name, args in sent if name in ("marlaas.train", "marlaas.tinker_train")]
+        assert len(trains) == 1, sent
+        name, args = trains[0]
+        if name == "marlaas.tinker_train":
+            assert args[0] == mid and not st.r.sismember(PENDING_TRAIN, mid)  # taken off the candidates
+            picks["c"] = picks.get("c", 0) + 1
+            st.release_trainer(args[1])  # the task's step is done
+        else:
+            jid, t, token = args
+            tenant = st.job(jid).tenant
+            picks[tenant] = picks.get(tenant, 0) + 1
+            assert st.publish(jid, t, AdapterBlob({}, b""), b"", {"step": t + 1}, token,
+                              list(range(t * P, (t + 1) * P)), 1000)
+    assert sorted(picks) == ["a", "b", "c"] and all(abs(n - 20) <= 2 for n in picks.values()), picks
