@@ -14,7 +14,7 @@ Extraction rule (`extract_answer`), first that applies:
     answer; else if it holds numbers, the answer is the FIRST of them that is not an operand
     (below); else the text itself (a word answer);
 (c) else, when the whole completion is one LaTeX number (`\frac{14}{2}`), that number;
-(d) else the LAST number in the completion that is not an operand.
+(d) else the LAST number in the completion that is not an operand (nor a list item's number: "1. ...").
 
 An operand is a number joined to another number by an arithmetic operator (`+ - * / x × ÷ ^`) on
 either side: in "64 + 57" both 64 and 57 are operands, in "64 + 57 = 121" only 121 is not (`=` is
@@ -94,8 +94,19 @@ def _numbers(text: str) -> list[tuple[int, int, bool]]:
     return out
 
 
+_LIST_ITEM = re.compile(r"[.)]\s")
+
+
 def _answer_numbers(text: str) -> list[str]:
-    return [text[s:e] for s, e, operand in _numbers(text) if not operand]
+    """Numbers that may be an answer: not an operand, and not a list item's number ("1. First ...":
+    at the start of a line, followed by '.' or ')' and a space)."""
+    out = []
+    for s, e, operand in _numbers(text):
+        line_start = text.rfind("\n", 0, s) + 1
+        if operand or (not text[line_start:s].strip() and _LIST_ITEM.match(text, e)):
+            continue
+        out.append(text[s:e])
+    return out
 
 
 def _marker_tail(text: str) -> str | None:

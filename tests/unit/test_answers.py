@@ -99,3 +99,12 @@ def test_latex_answer_falls_back_to_math_verify_on_the_answer_only():
     pytest.importorskip("math_verify")
     assert math_reward("The final answer is $\\sqrt{4}$", {"answer": 2}) == 1.0
     assert math_reward("The final answer is $\\sqrt{5}$", {"answer": 2}) == 0.0
+
+
+def test_a_list_items_number_is_no_answer():
+    from marlaas.verify.answers import extract_answer, math_reward
+
+    assert extract_answer('1. The text is "explanation"\n2. The letter "i') is None
+    assert math_reward('1. The text is "explanation"\n2. The letter "i', {"answer": "2"}) == 0.0
+    assert extract_answer("Steps:\n1. add 3 and 4\n2. the sum is 7") == "7"
+    assert extract_answer("1. 7") == "7" and extract_answer("7.") == "7"
