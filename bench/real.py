@@ -269,6 +269,8 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, default=2, help="max_staleness of the async mode (b)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", default="sync,async")
+    ap.add_argument("--generate-workers", type=int, default=2,
+                    help="generate worker processes, 1 thread each (generation dominates a real model on CPU)")
     ap.add_argument("--job-timeout", type=float, default=3600.0)
     ap.add_argument("--base", type=Path, default=None, help="an imported base directory, used read-only")
     ap.add_argument("--base-dir", type=Path, default=None,
@@ -305,7 +307,7 @@ def main() -> None:
                       "learning_rate": a.lr, "lora": {"rank": a.lora_rank, "alpha": 2.0 * a.lora_rank,
                                                       "targets": "all-linear"},
                       "temperature": a.temperature, "async_max_staleness": a.staleness, "engine": "hf",
-                      "threads_per_process": 1},
+                      "threads_per_process": 1, "generate_workers": a.generate_workers},
             "tasks": {},
             "sync_wall_s": state["sync_wall_s"],
             "async_wall_s": state["async_wall_s"],
@@ -335,7 +337,10 @@ def main() -> None:
 
     out = None
     try:
-        stack.start(*[n for n in STACK_LINES if n in stack.lines])
+        for i in range(2, a.generate_workers + 1):  # more generate workers: the same line, another node name
+            stack.lines[f"generate{i}"] = stack.lines["generate"].replace("-n generate@", f"-n generate{i}@")
+        stack.start(*[n for n in STACK_LINES if n in stack.lines],
+                    *[f"generate{i}" for i in range(2, a.generate_workers + 1)])
         wait_for_workers(Store(stack.url), timeout=300)
         client = Client(stack.url)
         print(f"stack up after {time.time() - t_start:.0f} s", flush=True)
