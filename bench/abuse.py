@@ -75,7 +75,7 @@ def main() -> None:
         attacker_tok = add_tenant(store, "attacker", Quotas())
         victim = httpx.Client(base_url=api, headers={"Authorization": f"Bearer {victim_tok}"}, timeout=60)
         attacker = httpx.Client(base_url=api, headers={"Authorization": f"Bearer {attacker_tok}"}, timeout=60)
-        vjob = victim.post("/v1/jobs", json={**SORT, "steps": 400, "seed": 1}).raise_for_status().json()["id"]
+        vjob = victim.post("/v1/jobs", json={**SORT, "steps": 10_000, "seed": 1}).raise_for_status().json()["id"]
         t_start = time.time()
         time.sleep(a.window_s)
         t_attack = time.time()
@@ -138,6 +138,22 @@ def main() -> None:
         huge = [{"prompt": "max:" + "1" * 100_000 + "=", "answer": "1"}] * 2
         expect("a 100 kB row", attacker.post("/v1/jobs", json={"dataset": huge, "steps": 2, "eval_size": 1}),
                (413, 422))
+        spin = "def grade(sample, item):\n    while True:\n        pass\n"
+        grader = {"type": "python", "name": "spin", "source": spin, "timeout_s": 0.5}
+        r = attacker.post("/v1/jobs", json={"dataset": rows, "grader": grader, "steps": 2, "eval_size": 1,
+                                            "prompts_per_step": 1, "group_size": 2})
+        if r.status_code == 201:
+            gid, st = r.json()["id"], {}
+            for _ in range(240):  # bounded: the sandbox's limits end every call
+                st = attacker.get(f"/v1/jobs/{gid}").json()
+                if st.get("status") in ("done", "failed", "cancelled"):
+                    break
+                time.sleep(0.5)
+            ended = st.get("status") in ("done", "failed") and (st.get("verify_errors") or 0) > 0
+            record("python grader `while True: pass`", f"contained: the job ended {st.get('status')} with "
+                   f"{st.get('verify_errors')} grader errors counted", {"error": st.get("error")}, ended)
+        else:
+            expect("python grader `while True: pass`", r, (422,))
         resp = attacker.post("/v1/jobs", json={**SORT, "steps": 100, "weight": 100.0})
         if resp.status_code == 201:
             w = store.spec(resp.json()["id"]).weight
@@ -162,13 +178,6 @@ def main() -> None:
                 break
         record("request flood", "rate limited" if 429 in codes else "NOT limited",
                {"requests_until_429": len(codes)}, 429 in codes)
-        spin = "def grade(sample, item):\n    while True:\n        pass\n"
-        grader = {"type": "python", "name": "spin", "source": spin}
-        r = attacker.post("/v1/jobs", json={"dataset": rows, "grader": grader, "steps": 2, "eval_size": 1,
-                                            "prompts_per_step": 1, "group_size": 2})
-        record("python grader `while True: pass`", f"answered {r.status_code}: a run is bounded by the "
-               "sandbox's CPU and wall limits" if r.status_code in (201, 422) else f"ANSWERED {r.status_code}",
-               r.text[:160], r.status_code in (201, 422))
         for jid in made:
             store.set_status(jid, "cancelled")
         t_end_attack = time.time()

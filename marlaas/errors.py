@@ -29,8 +29,8 @@ class BaseModelError(MarlaasError):
     """The base model is missing or is not the one this deployment serves."""
 
 
-class VerifierError(MarlaasError):
-    """A verifier name cannot be resolved."""
+class VerifierError(SpecError):
+    """A verifier name cannot be resolved (an invalid spec: HTTP 422)."""
 
 
 class BaseImportError(BaseModelError):
