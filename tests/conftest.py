@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import tempfile
@@ -125,3 +126,26 @@ def smollm2_base(home) -> Path:
 
     out = home / "models" / "smollm2-135m-instruct"
     return out if (out / "config.json").is_file() else import_base("smollm2-135m-instruct", out, progress=False)
+
+
+@contextlib.contextmanager
+def api_server(store_url: str, open_: bool = True):
+    """`marlaas api` (the Procfile's line) on a free port against this store; yields its env for CLI
+    calls (MARLAAS_REDIS_URL for operator commands, MARLAAS_API_URL for tenant commands)."""
+    import subprocess
+    import sys
+
+    from marlaas.ops.embedded import free_port, wait_for_api
+
+    port = free_port()
+    env = {**os.environ, "MARLAAS_REDIS_URL": store_url, "MARLAAS_API_URL": f"http://127.0.0.1:{port}"}
+    env.pop("MARLAAS_TOKEN", None)
+    proc = subprocess.Popen([sys.executable, "-m", "marlaas.cli", "api", "--port", str(port),
+                             "--open" if open_ else "--no-open"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_api(env["MARLAAS_API_URL"])
+        yield env
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

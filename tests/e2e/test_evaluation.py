@@ -17,6 +17,7 @@ from marlaas.spec import JobSpec, parse_spec
 from marlaas.types import AdapterBlob, AdapterRef
 from marlaas.verify.evaluation import ks_for, mean_pass_at_k, pass_at_k, summarize, table_row
 from marlaas.verify.station import run_verify
+from tests.conftest import api_server
 
 CLI = [sys.executable, "-m", "marlaas.cli"]
 
@@ -186,16 +187,16 @@ def test_verify_stores_pass_at_k_and_done_waits_for_every_evaluated_version(st):
     assert [o["samples_correct"] for o in ev[4]["outputs"]] == [1, 4]
     assert ev[4]["outputs"][0]["text"] == right[0]  # the greedy outputs are kept
 
-    env = {**os.environ, "MARLAAS_REDIS_URL": st.url}
-    out = subprocess.run(CLI + ["eval", jid, "--json"], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    rows = json.loads(out.stdout)
-    assert [(r["version"], r["acc"], r["pass_at_k"], r["k"], r["n"]) for r in rows] == [
-        (0, 0.0, 0.0, 4, 2), (2, 0.5, 0.5, 4, 2), (4, 1.0, 1.0, 4, 2)]
-    table = subprocess.run(CLI + ["eval", jid], env={**env, "COLUMNS": "200"}, capture_output=True, text=True)
-    assert table.returncode == 0 and "pass@4" in table.stdout and "pass@1 greedy" in table.stdout
-    missing = subprocess.run(CLI + ["eval", "j999"], env=env, capture_output=True, text=True)
-    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "j999" in missing.stderr
+    with api_server(st.url) as env:  # `marlaas eval` is a tenant command: it goes through the API
+        out = subprocess.run(CLI + ["eval", jid, "--json"], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        rows = json.loads(out.stdout)
+        assert [(r["version"], r["acc"], r["pass_at_k"], r["k"], r["n"]) for r in rows] == [
+            (0, 0.0, 0.0, 4, 2), (2, 0.5, 0.5, 4, 2), (4, 1.0, 1.0, 4, 2)]
+        table = subprocess.run(CLI + ["eval", jid], env={**env, "COLUMNS": "200"}, capture_output=True, text=True)
+        assert table.returncode == 0 and "pass@4" in table.stdout and "pass@1 greedy" in table.stdout
+        missing = subprocess.run(CLI + ["eval", "j999"], env=env, capture_output=True, text=True)
+        assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "j999" in missing.stderr
 
 
 @pytest.mark.integration

@@ -1,7 +1,6 @@
 """Bad input through the API and the CLI: one clear line, a non-zero exit, nothing stored."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ from marlaas.api.client import Client
 from marlaas.errors import MarlaasError
 from marlaas.spec import JobSpec, parse_spec
 from marlaas.store import Store
+from tests.conftest import api_server
 
 FIELDS = {
     "tenant": st.one_of(st.text(max_size=80), st.integers()),
@@ -78,24 +78,24 @@ def test_api_refusals_store_nothing(url, tiny_base):
 
 @pytest.mark.integration
 def test_cli_bad_input_exits_non_zero_with_one_line(url, tmp_path):
-    env = {**os.environ, "MARLAAS_REDIS_URL": url}
     cli = [sys.executable, "-m", "marlaas.cli"]
-    cases = {
-        "broken.toml": ("task = ", "not valid TOML"),
-        "bad.toml": ('task = "sort"\nsteps = -1\n', "steps"),
-        "unknown.toml": ('task = "juggling"\n', "unknown task 'juggling'"),
-        "latin1.toml": (b'task = "sort"\ntenant = "\xe9"\n', "not valid TOML"),
-    }
-    for name, (content, words) in cases.items():
-        f = tmp_path / name
-        f.write_bytes(content if isinstance(content, bytes) else content.encode())
-        out = subprocess.run(cli + ["submit", str(f)], env=env, capture_output=True, text=True)
-        assert out.returncode != 0, (name, out.stdout)
-        assert words in out.stderr and out.stderr.strip().count("\n") == 0, (name, out.stderr)
-    missing = subprocess.run(cli + ["status", "j999", "--json"], env=env, capture_output=True, text=True)
-    assert missing.returncode == 2 and "no job 'j999'" in missing.stderr
-    assert _nothing_stored(url)
-    ok = tmp_path / "ok.toml"
-    ok.write_text('task = "sort"\nsteps = 2\n')
-    out = subprocess.run(cli + ["submit", str(ok), "--json"], env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and json.loads(out.stdout)["status"] == "running"
+    with api_server(url) as env:  # the tenant commands go through the API
+        cases = {
+            "broken.toml": ("task = ", "not valid TOML"),
+            "bad.toml": ('task = "sort"\nsteps = -1\n', "steps"),
+            "unknown.toml": ('task = "juggling"\n', "unknown task 'juggling'"),
+            "latin1.toml": (b'task = "sort"\ntenant = "\xe9"\n', "not valid TOML"),
+        }
+        for name, (content, words) in cases.items():
+            f = tmp_path / name
+            f.write_bytes(content if isinstance(content, bytes) else content.encode())
+            out = subprocess.run(cli + ["submit", str(f)], env=env, capture_output=True, text=True)
+            assert out.returncode != 0, (name, out.stdout)
+            assert words in out.stderr and out.stderr.strip().count("\n") == 0, (name, out.stderr)
+        missing = subprocess.run(cli + ["status", "j999", "--json"], env=env, capture_output=True, text=True)
+        assert missing.returncode == 2 and "no job 'j999'" in missing.stderr
+        assert _nothing_stored(url)
+        ok = tmp_path / "ok.toml"
+        ok.write_text('task = "sort"\nsteps = 2\n')
+        out = subprocess.run(cli + ["submit", str(ok), "--json"], env=env, capture_output=True, text=True)
+        assert out.returncode == 0 and json.loads(out.stdout)["status"] == "running"

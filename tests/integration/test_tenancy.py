@@ -113,22 +113,15 @@ def test_adapter_download_of_own_job(url, tmp_path):
 
 def test_cli_tenant_add_and_one_line_refusals(url):
     import json
-    import os
     import subprocess
     import sys
 
-    from marlaas.ops.embedded import free_port, wait_for_api
+    from tests.conftest import api_server
 
-    port = free_port()
-    env = {**os.environ, "MARLAAS_REDIS_URL": url, "MARLAAS_API_URL": f"http://127.0.0.1:{port}"}
-    env.pop("MARLAAS_TOKEN", None)
     cli = [sys.executable, "-m", "marlaas.cli"]
     # `tenant add` is operator tooling on the server host (it reads the store); the tenant commands
     # (`status`) go through the API, started here as the Procfile's `api` line would.
-    api = subprocess.Popen(cli + ["api", "--port", str(port), "--open"], env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_api(env["MARLAAS_API_URL"])
+    with api_server(url) as env:
         out = subprocess.run(cli + ["tenant", "add", "erin", "--json"], env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         token = json.loads(out.stdout)["token"]
@@ -138,9 +131,6 @@ def test_cli_tenant_add_and_one_line_refusals(url):
         ok = subprocess.run(cli + ["status", "--json"], env={**env, "MARLAAS_TOKEN": token}, capture_output=True,
                             text=True)
         assert ok.returncode == 0 and json.loads(ok.stdout) == []
-    finally:
-        api.terminate()
-        api.wait(timeout=30)
 
 
 def test_admission_refuses_new_jobs_when_the_store_is_nearly_full(url, monkeypatch):
