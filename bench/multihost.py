@@ -155,8 +155,11 @@ def host_env(lease_s: float) -> dict[str, str]:
 
 
 def client_main(a) -> None:
-    """The `client` host's part: submit the jobs, print their ids, wait, print their final state."""
-    from marlaas import Client, JobSpec
+    """The `client` host's part: submit the jobs, print their ids, wait, print their final state. It
+    stands for the operator's host inside the cluster (the direct client over the private store): this
+    run is about the workers' hosts; tenants' own clients reach the API host (docs/deployment.md)."""
+    from marlaas.api.client import Client
+    from marlaas.spec import JobSpec
 
     client = Client(a.url)
     jobs = [client.submit(JobSpec(tenant=f"tenant{i + 1}", task=TASKS[i % len(TASKS)], steps=a.steps,
