@@ -116,10 +116,13 @@ def main() -> None:
             record("CONFIG SET dir even with the service password", "refused", str(e)[:80], True)
         expect("Flower without its login (tasks, and its API that can revoke tasks)",
                httpx.get(f"http://127.0.0.1:{flower_port}/api/tasks", timeout=10), (401,))
-        from tasks.app import app as celery_app
+        from celery import Celery
 
+        celery_app = Celery("probe")
+        celery_app.config_from_object("celeryconfig")
         celery_app.conf.broker_url = stack.url
         replies = celery_app.control.ping(timeout=1.0)
+        celery_app.close()
         record("Celery remote control (shutdown, cancel_consumer)", "no worker answers a broadcast"
                if not replies else "ANSWERED", {"replies": replies}, not replies)
         # -- code execution through rewards ----------------------------------------------------------

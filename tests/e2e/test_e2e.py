@@ -7,6 +7,7 @@ stations must overlap in time.
 """
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -33,7 +34,8 @@ def specs(seed0: int):
 def run_and_check(url: str, seed0: int) -> dict:
     client = Client()  # the worker stack's API (MARLAAS_API_URL)
     t0 = time.time()
-    jobs = [client.submit(s) for s in specs(seed0)]
+    with ThreadPoolExecutor(3) as pool:  # the tenants submit at once, as independent clients would
+        jobs = list(pool.map(client.submit, specs(seed0)))
     finals = [j.wait(timeout=900) for j in jobs]
     for j, st, spec in zip(jobs, finals, specs(seed0)):
         assert st["status"] == "done", st
@@ -73,9 +75,13 @@ def test_three_tenants_vllm_engine(worker_stack):
         time.sleep(0.5)
     else:
         pytest.fail("the vLLM generate worker did not start (see logs/generate.log)")
-    assert any(w.get("engine") == "vllm" for n, w in store.workers().items() if n in new)
-    wait_for_workers(store)
-    run_and_check(worker_stack.url, seed0=10)
+    try:
+        assert any(w.get("engine") == "vllm" for n, w in store.workers().items() if n in new)
+        wait_for_workers(store)
+        run_and_check(worker_stack.url, seed0=10)
+    finally:  # the session's later tests expect the hf engine (e.g. prompt logprobs)
+        worker_stack.restart("generate", env={"MARLAAS_ENGINE": "hf"})
+        wait_for_workers(store)
 
 
 def test_a_raising_verifier_stops_only_its_own_job(worker_stack):

@@ -1,7 +1,7 @@
 """End to end: a python-grader job and a multi-grader job learn on the worker stack, and a grader that
 loops forever ends its job (failed, errors counted) instead of hanging it.
 
-Task data: the built-in "sort" family's rows, submitted as a dataset with a grader instead of the
+Task data: the built-in "max" family's rows, submitted as a dataset with a grader instead of the
 family's verifier. "Learns": the mean reward of the last steps is above that of the first steps.
 """
 
@@ -26,7 +26,7 @@ MULTI = {"type": "multi", "calculate_output": "0.6 * exact + 0.4 * fuzzy", "grad
 
 
 def _spec(grader: dict, steps: int = 30, seed: int = 0) -> JobSpec:
-    rows = families.rows("sort", "train", 256, seed)
+    rows = families.rows("max", "train", 256, seed)
     return JobSpec(dataset=[{"prompt": r["prompt"], "answer": r["answer"]} for r in rows], grader=grader,
                    steps=steps, prompts_per_step=8, group_size=8, eval_size=8, eval_k=0, learning_rate=3e-3,
                    seed=seed)

@@ -66,7 +66,13 @@ def test_a_forged_spec_is_refused_by_the_service(st):
 
 
 def test_celery_remote_control_is_off(worker_stack):
-    from tasks.app import app
+    from celery import Celery
 
-    assert app.conf.worker_enable_remote_control is False
-    assert app.control.ping(timeout=1.0) == []  # no worker answers a broadcast (shutdown would be one)
+    app = Celery("probe")  # its own app and connections: the service's app keeps its broker settings
+    app.config_from_object("celeryconfig")
+    app.conf.broker_url = worker_stack.url
+    try:
+        assert app.conf.worker_enable_remote_control is False
+        assert app.control.ping(timeout=1.0) == []  # no worker answers a broadcast (shutdown would be one)
+    finally:
+        app.close()
