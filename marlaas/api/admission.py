@@ -10,6 +10,7 @@ template, check every prompt fits the base's context, then store the job. Every 
 from __future__ import annotations
 
 import json
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from marlaas.settings import get_settings
 from marlaas.spec import JobSpec, parse_spec
 from marlaas.store import Store
 from marlaas.verify.graders import check_submit as check_verifiers
+
+_TOKENIZER = threading.Lock()  # the API serves requests on a thread pool
 
 
 def admit(store: Store, tenant: str | None, spec: JobSpec | dict) -> str:
@@ -38,8 +41,9 @@ def admit(store: Store, tenant: str | None, spec: JobSpec | dict) -> str:
     if spec.lora.rank > max_rank:
         raise SpecError(f"invalid job spec: lora.rank: {spec.lora.rank} exceeds the maximum {max_rank}")
     train, held = job_rows(spec)
-    train, held, how = _chat_template(dep.get("base"), spec, train, held)
-    _check_context(dep.get("base"), spec, train, held)
+    with _TOKENIZER:  # one base tokenizer per process; HF tokenizers refuse concurrent use ("Already borrowed")
+        train, held, how = _chat_template(dep.get("base"), spec, train, held)
+        _check_context(dep.get("base"), spec, train, held)
     tenancy.check_rows(store, tenant, train, held)
     return store.create_job(spec, train, held, info={"chat_template": how})
 

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 from marlaas.api import admission, tenancy
+from marlaas.api.http_client import _progress
+from marlaas.api.service import job_summary
 from marlaas.errors import Forbidden, MarlaasError, NotFound
 from marlaas.spec import JobSpec
 from marlaas.store import Store
@@ -73,29 +75,11 @@ class Job:
         return self.client.store
 
     def status(self) -> dict:
-        """Progress in one dict: status, version/steps, last mean reward and staleness, accuracies."""
-        rec = self.client.record(self.id)
-        last = self.store.metrics(self.id)[-1:] or [{}]
-        evals = self.store.evals(self.id)
-        spec = rec.spec
-        return {
-            "job": self.id,
-            "tenant": rec.tenant,
-            "task": spec.task or "dataset",
-            "status": rec.status,
-            "version": rec.version,
-            "steps": spec.steps,
-            "reward_mean": last[0].get("reward_mean"),
-            "staleness": max(last[0].get("staleness") or [0]),
-            "max_staleness": spec.max_staleness,
-            "base_acc": evals.get(0, {}).get("acc"),
-            "final_acc": evals.get(spec.steps, {}).get("acc"),
-            "regenerated": int(rec.extra.get("regenerated", 0)),
-            "verify_errors": int(rec.extra.get("verify_errors", 0)),
-            "tool_calls": int(rec.extra.get("tool_calls", 0)),  # tool tasks (marlaas.tools.agentic)
-            "tool_errors": int(rec.extra.get("tool_errors", 0)),
-            "error": rec.extra.get("error"),
-        }
+        """Progress in one dict: status, version/steps, last mean reward and staleness, accuracies
+        (the API's job summary, with `job` for its id)."""
+        s = job_summary(self.store, self.client.record(self.id))
+        s["job"] = s.pop("id")
+        return s
 
     def wait(self, progress: bool = False, timeout: float | None = None, poll: float = 0.5) -> dict:
         """Block until the job ends; with progress, show a live bar. Returns the final status."""
@@ -149,18 +133,3 @@ class Job:
         blob = self.store.adapter(AdapterRef(self.id, v))
         base = self.store.deployment().get("base")
         return write_adapter_dir(blob, out_dir, base_path=base)
-
-
-def _progress(bar, st: dict):
-    from tqdm import tqdm
-
-    if bar is None:
-        bar = tqdm(total=st["steps"], desc=f"{st['job']} {st['task']}", unit="step")
-    bar.n = st["version"]
-    r = st["reward_mean"]
-    bar.set_postfix_str(
-        f"{st['status']} reward={r:.2f} staleness={st['staleness']}" if r is not None else st["status"],
-        refresh=False,
-    )
-    bar.refresh()
-    return bar

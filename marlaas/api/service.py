@@ -135,30 +135,8 @@ class Service:
         return rec
 
     def summary(self, rec: JobRecord) -> dict:
-        """Progress in one dict: the fields of `marlaas.api.client.Job.status`, with `id` for `job`."""
-        last = self.store.last_metrics(rec.id) or {}
-        evals = self.store.evals(rec.id)
-        spec = rec.spec
-        return {
-            "id": rec.id,
-            "tenant": rec.tenant,
-            "task": spec.task or "dataset",
-            "status": rec.status,
-            "version": rec.version,
-            "steps": spec.steps,
-            "reward_mean": last.get("reward_mean"),
-            "staleness": max(last.get("staleness") or [0]),
-            "max_staleness": spec.max_staleness,
-            "base_acc": evals.get(0, {}).get("acc"),
-            "final_acc": evals.get(spec.steps, {}).get("acc"),
-            "regenerated": int(rec.extra.get("regenerated", 0)),
-            "verify_errors": int(rec.extra.get("verify_errors", 0)),
-            "tool_calls": int(rec.extra.get("tool_calls", 0)),
-            "tool_errors": int(rec.extra.get("tool_errors", 0)),
-            "error": rec.extra.get("error"),
-            "created": rec.created,
-            "updated": float(rec.extra.get("updated") or rec.created),
-        }
+        """Progress in one dict (`job_summary`)."""
+        return job_summary(self.store, rec)
 
     def submit(self, principal: Principal, spec_dict: dict) -> dict:
         """Validate and enqueue a job; returns its summary. Nothing is stored when it is refused."""
@@ -346,3 +324,30 @@ def _file_kind(filename: str | None, head: bytes) -> str:
         if suffix:
             raise SpecError(f"file {Path(filename).name}: unknown format {suffix!r}; upload .jsonl or .parquet")
     return "parquet" if head == b"PAR1" else "jsonl"
+
+def job_summary(store: Store, rec: JobRecord) -> dict:
+    """A job's progress in one dict: status, version/steps, last mean reward and staleness, base and
+    final accuracy, error counts, the error, created/updated times."""
+    last = store.last_metrics(rec.id) or {}
+    evals = store.evals(rec.id)
+    spec = rec.spec
+    return {
+        "id": rec.id,
+        "tenant": rec.tenant,
+        "task": spec.task or "dataset",
+        "status": rec.status,
+        "version": rec.version,
+        "steps": spec.steps,
+        "reward_mean": last.get("reward_mean"),
+        "staleness": max(last.get("staleness") or [0]),
+        "max_staleness": spec.max_staleness,
+        "base_acc": evals.get(0, {}).get("acc"),
+        "final_acc": evals.get(spec.steps, {}).get("acc"),
+        "regenerated": int(rec.extra.get("regenerated", 0)),
+        "verify_errors": int(rec.extra.get("verify_errors", 0)),
+        "tool_calls": int(rec.extra.get("tool_calls", 0)),
+        "tool_errors": int(rec.extra.get("tool_errors", 0)),
+        "error": rec.extra.get("error"),
+        "created": rec.created,
+        "updated": float(rec.extra.get("updated") or rec.created),
+    }
