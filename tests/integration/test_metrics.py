@@ -271,6 +271,7 @@ def test_busy_port_keeps_the_process_up_without_serving(tmp_path):
             p.wait(timeout=10)
 
 
+@pytest.mark.integration
 def test_metrics_are_operator_only(st):
     """Loopback by default; a token makes /metrics need it; a public bind without a token is refused."""
     with pytest.raises(MarlaasError, match="without a token"):
