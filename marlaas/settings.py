@@ -74,8 +74,9 @@ class Settings(BaseSettings):
     """How long a finished, failed or cancelled job's bulk data (rows, rollouts, optimizer state,
     adapters other than the final and evaluated ones) stays; its record, metrics and evaluations stay."""
     stall_s: float = Field(1800.0, gt=0)
-    """The watchdog: a job whose version and dispatched groups have not moved for this long is failed
-    with the reason (longer than a job can wait for its trainer share at the intended scale)."""
+    """The watchdog: a job whose version and dispatched groups have not moved for this long, while
+    its turn on the trainer has come (its pass is not past the lane's virtual time), is failed with
+    the reason. A job waiting behind other tenants is not stalled, however long it waits."""
     train_lease_s: float = Field(300.0, gt=0)
     """Seconds after which a train task that has not published is considered lost."""
     vllm_args: dict[str, Any] = Field(default_factory=dict)

@@ -140,6 +140,11 @@ class TickMemory:
             self.progress[url] = {k: v for k, v in seen.items() if k in live}
         return out
 
+    def restart_clock(self, url: str, jobs: list, now: float) -> None:
+        seen = self.progress.setdefault(url, {})
+        for j in jobs:
+            seen[j.key] = ((j.state.version, j.state.dispatched), now)
+
     def remember_evals(self, keys) -> None:
         if len(self.evals_done) >= 1_000_000:
             self.evals_done.clear()
@@ -169,6 +174,11 @@ def snapshot(store: Store, now: float, memory: TickMemory = MEMORY) -> scheduler
     trainer_free = _trainer_free(store, state["trainer"], workers)
     jobs = view.update(store, state, memory.evals_done)
     stalled = memory.stalled(store.url, jobs, now, s.stall_s)
+    if stalled:  # a job whose pass is past the trainer's virtual time is waiting its turn, not stalled
+        vt = store.virtual_time()
+        waiting = {j.id for j in jobs if j.id in stalled and j.state.pass_value > vt}
+        memory.restart_clock(store.url, [j for j in jobs if j.id in waiting], now)
+        stalled = [jid for jid in stalled if jid not in waiting]
     if stalled:  # the watchdog: a job that makes no progress is failed with the reason, never left hanging
         for jid in stalled:
             log.error("job %s made no progress for %.0f s: failing it", jid, s.stall_s)

@@ -198,3 +198,7 @@ class TickOps:
         vt, *passes = p.execute()
         start = float(vt or 0.0)
         return {i: float(x) if x is not None else start for i, x in zip(ids, passes)}
+
+    def virtual_time(self) -> float:
+        """The trainer lane's virtual time: the pass of the job it was last given to."""
+        return float(self.r.get(VT) or 0.0)

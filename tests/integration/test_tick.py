@@ -321,3 +321,24 @@ def test_a_tinker_model_shares_the_trainer_lane_fairly_with_jobs(st):
             assert st.publish(jid, t, AdapterBlob({}, b""), b"", {"step": t + 1}, token,
                               list(range(t * P, (t + 1) * P)), 1000)
     assert sorted(picks) == ["a", "b", "c"] and all(abs(n - 20) <= 2 for n in picks.values()), picks
+
+
+@pytest.mark.integration
+def test_watchdog_spares_a_job_waiting_for_its_trainer_turn(st, monkeypatch):
+    from marlaas.settings import get_settings
+    from marlaas.store import VT
+
+    monkeypatch.setattr(get_settings(), "stall_s", 100.0)
+    waiting = make_job(st, "a")
+    st.r.hset(f"m:job:{waiting}", "pass", 5.0)  # other tenants are ahead of it on the lane
+    st.sync_rows([waiting])
+    st.r.set(VT, 2.0)
+    memory = dispatch.TickMemory()
+    t0 = time.time()
+    dispatch.snapshot(st, t0, memory)
+    dispatch.snapshot(st, t0 + 101, memory)
+    assert st.job(waiting).status == "running"
+    st.r.set(VT, 6.0)  # its turn came and went: now it is stalled
+    dispatch.snapshot(st, t0 + 202, memory)
+    dispatch.snapshot(st, t0 + 303, memory)
+    assert st.job(waiting).status == "failed"
