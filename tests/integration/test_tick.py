@@ -256,6 +256,16 @@ def test_watchdog_fails_a_job_that_makes_no_progress(st, monkeypatch):
     assert st.job(moving).status == "running"
 
 
+def make_ready(st, jobs: list[str], P: int) -> None:
+    """Verify every group of each job's next step (P groups a step): each wants the trainer lane."""
+    for jid in jobs:
+        t = st.job(jid).version
+        for g in range(t * P, (t + 1) * P):
+            if st.rollout(jid, g) is None:
+                att = st.put_rollout(jid, g, t, {"row": {}, "completions": []})
+                st.accept_rewards(jid, g, att, {"rewards": [1.0]})
+
+
 @pytest.mark.integration
 def test_trainer_shares_are_fair_per_tenant_over_the_real_tick(st):
     """Two tenants of equal plans, one with 8 jobs and one with 1, all always ready: over the real
@@ -267,12 +277,7 @@ def test_trainer_shares_are_fair_per_tenant_over_the_real_tick(st):
     P = 2
     picks: dict[str, int] = {}
     for _ in range(90):
-        for jid in [*many, one]:  # every job's next step is verified: all want the lane
-            t = st.job(jid).version
-            for g in range(t * P, (t + 1) * P):
-                if st.rollout(jid, g) is None:
-                    att = st.put_rollout(jid, g, t, {"row": {}, "completions": []})
-                    st.accept_rewards(jid, g, att, {"rewards": [1.0]})
+        make_ready(st, [*many, one], P)  # every job's next step is verified: all want the lane
         sent = []
         dispatch.tick(st, sent.extend)
         train = [args for name, args in sent if name == "marlaas.train"]
@@ -299,12 +304,7 @@ def test_a_tinker_model_shares_the_trainer_lane_fairly_with_jobs(st):
     P, picks = 2, {}
     for _ in range(60):
         TinkerStore(st).mark_pending(mid)  # the client keeps sending forward_backward + optim_step
-        for jid in jobs:
-            t = st.job(jid).version
-            for g in range(t * P, (t + 1) * P):
-                if st.rollout(jid, g) is None:
-                    att = st.put_rollout(jid, g, t, {"row": {}, "completions": []})
-                    st.accept_rewards(jid, g, att, {"rewards": [1.0]})
+        make_ready(st, jobs, P)
         sent = []
         dispatch.tick(st, sent.extend)
         trains = [(name, args) for name, args in sent if name in ("marlaas.train", "marlaas.tinker_train")]
