@@ -17,14 +17,12 @@ import time
 from pathlib import Path
 
 from marlaas.api import admission, tenancy
-from marlaas.api.http_client import _progress
+from marlaas.api.http_client import progress_bar
 from marlaas.api.service import job_summary
 from marlaas.errors import Forbidden, MarlaasError, NotFound
 from marlaas.spec import JobSpec
 from marlaas.store import Store
 from marlaas.types import TERMINAL_STATUSES, AdapterRef
-
-TERMINAL = TERMINAL_STATUSES  # (kept: callers import it from here)
 
 
 class Client:
@@ -89,8 +87,8 @@ class Job:
             while True:
                 st = self.status()
                 if progress:
-                    bar = _progress(bar, st)
-                if st["status"] in TERMINAL:
+                    bar = progress_bar(bar, st)
+                if st["status"] in TERMINAL_STATUSES:
                     return st
                 if deadline is not None and time.time() > deadline:
                     raise MarlaasError(f"job {self.id} still {st['status']} after {timeout:.0f} s")
@@ -102,7 +100,7 @@ class Job:
     def cancel(self) -> None:
         """Stop the job; work in flight for it is dropped."""
         rec = self.client.record(self.id)
-        if rec.status not in TERMINAL:
+        if rec.status not in TERMINAL_STATUSES:
             self.store.set_status(self.id, "cancelled")
 
     def metrics(self) -> dict:

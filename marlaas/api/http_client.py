@@ -31,8 +31,8 @@ from marlaas.api.errors import BY_NAME
 from marlaas.api.settings import ApiSettings
 from marlaas.errors import ApiUnavailable, MarlaasError, RateLimited, ServerError, SpecError
 from marlaas.spec import JobSpec
+from marlaas.types import TERMINAL_STATUSES
 
-TERMINAL = ("done", "failed", "cancelled")
 FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")  # as marlaas.api.service (the client does not import the server)
 
 
@@ -163,13 +163,13 @@ class Job:
         def show(st: dict) -> None:
             nonlocal bar
             if progress:
-                bar = _progress(bar, st)
+                bar = progress_bar(bar, st)
 
         try:
             while True:
                 st = self.status()
                 show(st)
-                if st["status"] in TERMINAL:
+                if st["status"] in TERMINAL_STATUSES:
                     return st
                 if deadline is not None and time.monotonic() > deadline:
                     raise MarlaasError(f"job {self.id} still {st['status']} after {timeout:.0f} s")
@@ -273,7 +273,8 @@ def _sse_events(lines: Iterator[str]) -> Iterator[tuple[str, dict]]:
                 data.append(value)
 
 
-def _progress(bar, st: dict):
+def progress_bar(bar, st: dict):
+    """Draw (or start) a job's tqdm bar from its status dict; returns the bar."""
     from tqdm import tqdm
 
     if bar is None:

@@ -44,12 +44,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from marlaas.api.errors import status_of
 from marlaas.api.graders_api import graders_router
-from marlaas.api.service import TERMINAL, Principal, Service
+from marlaas.api.service import Principal, Service
 from marlaas.api.settings import ApiSettings
 from marlaas.api.tenancy import Quotas
 from marlaas.api.tinker.routes import tinker_router
 from marlaas.errors import MarlaasError, RateLimited, SpecError, TooLarge, Unauthorized
 from marlaas.store import Store
+from marlaas.types import TERMINAL_STATUSES
 
 log = logging.getLogger("marlaas.api")
 FILES_PATH = "/v1/files"
@@ -484,7 +485,7 @@ async def _sse(request: Request, service: Service, p: Principal, job_id: str, pa
                 summary = await run_in_threadpool(service.get, p, job_id)
                 yield _sse_message("status", summary)
                 quiet_since = time.monotonic()
-            if page["status"] in TERMINAL and not page["more"]:
+            if page["status"] in TERMINAL_STATUSES and not page["more"]:
                 yield _sse_message("end", summary)
                 return
             if not page["more"]:

@@ -57,8 +57,6 @@ from marlaas.store import KEEP_VERSIONS_EXTRA, JobRecord, Store
 from marlaas.types import ACTIVE_STATUSES, TERMINAL_STATUSES, AdapterRef, JobStatus
 from marlaas.verify.evaluation import table_row
 
-TERMINAL = TERMINAL_STATUSES
-RUNNING = ACTIVE_STATUSES
 FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")
 OPERATOR_TOKEN_FILE = "operator_token"
 
@@ -176,17 +174,17 @@ class Service:
     def cancel(self, principal: Principal, job_id: str) -> dict:
         """Stop the job (work in flight is dropped); a job that already ended is left as it is."""
         rec = self.record(principal, job_id)
-        if rec.status not in TERMINAL:
+        if rec.status not in TERMINAL_STATUSES:
             self.store.set_status(job_id, "cancelled")
         return self.get(principal, job_id)
 
     def pause(self, principal: Principal, job_id: str) -> dict:
         """Stop scheduling the job, keeping all its work (see the module docstring); idempotent."""
         self.record(principal, job_id)
-        was = self.store.transition_status(job_id, RUNNING, JobStatus.PAUSED)
+        was = self.store.transition_status(job_id, ACTIVE_STATUSES, JobStatus.PAUSED)
         if was is None:
             raise NotFound(f"no job {job_id!r}")
-        if was not in (*RUNNING, JobStatus.PAUSED):
+        if was not in (*ACTIVE_STATUSES, JobStatus.PAUSED):
             raise Conflict(f"job {job_id} is {was}: only a running or evaluating job can be paused")
         return self.get(principal, job_id)
 
@@ -197,7 +195,7 @@ class Service:
         was = self.store.transition_status(job_id, (JobStatus.PAUSED,), to)
         if was is None:
             raise NotFound(f"no job {job_id!r}")
-        if was not in (*RUNNING, JobStatus.PAUSED):
+        if was not in (*ACTIVE_STATUSES, JobStatus.PAUSED):
             raise Conflict(f"job {job_id} is {was}: only a paused job can be resumed")
         return self.get(principal, job_id)
 

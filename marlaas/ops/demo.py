@@ -61,7 +61,7 @@ def run_demo(tenants: int = 4, steps: int | None = None, max_staleness: int = 2,
     from marlaas.ops.timeline import busy_fractions, overlap_fraction
     from marlaas.settings import get_settings
     from marlaas.store import Store
-    from marlaas.types import TERMINAL_STATUSES as TERMINAL
+    from marlaas.types import TERMINAL_STATUSES
 
     console = console or Console()
     ensure_up()
@@ -73,7 +73,7 @@ def run_demo(tenants: int = 4, steps: int | None = None, max_staleness: int = 2,
         while True:
             sts = [j.status() for j in jobs]
             live.update(_table(sts))
-            if all(s["status"] in TERMINAL for s in sts):
+            if all(s["status"] in TERMINAL_STATUSES for s in sts):
                 break
             time.sleep(0.5)
     wall = time.time() - t0
