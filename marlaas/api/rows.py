@@ -39,9 +39,11 @@ def job_rows(spec: JobSpec) -> tuple[list[dict], list[dict]]:
         from marlaas.verify import reasoning_gym
 
         n = min(spec.steps * spec.prompts_per_step, MAX_TRAIN_ROWS_BUILTIN)
-        if reasoning_gym.is_task(spec.task):  # disjoint train and held-out sets (by seed and question)
+        if reasoning_gym.is_task(spec.task):  # disjoint train and held-out sets, made under limits
+            from marlaas.verify import rg_guard
+
             name, config = reasoning_gym.parse_task(spec.task, spec.task_config)
-            train, held = reasoning_gym.make_split(name, config, spec.seed, n, spec.eval_size)
+            train, held = rg_guard.make_split_bounded(name, config, spec.seed, n, spec.eval_size)
         else:
             train = families.rows(spec.task, "train", n, spec.seed)
             held = families.rows(spec.task, "eval", spec.eval_size, spec.seed)

@@ -30,6 +30,8 @@ A numeric answer equal to the gold is passed in the gold's own spelling ("121.0"
 gold "3") is a wrong answer and scores 0.0; other partial scores of a dataset's own scorer are kept.
 
 Dataset objects are cached per (name, config JSON, seed, size). reasoning_gym is imported lazily.
+What a tenant may ask (tasks whose code can run text as Python are refused, no file paths in a
+config, rows made under CPU, memory and time limits) is `marlaas.verify.rg_guard`'s.
 
 Invariant: `score` returns a float in [0, 1] and never rewards an answer that is not extracted
 (a restated question has none).
@@ -43,6 +45,7 @@ import json
 from typing import Any
 
 from marlaas.errors import TaskSourceError
+from marlaas.verify import rg_guard
 from marlaas.verify.answers import answers_match, extract_answer_rule, numbers_in, parse_number
 
 PREFIX = "reasoning_gym:"
@@ -86,8 +89,25 @@ def parse_task(task: str, config: dict | None = None) -> tuple[str, dict]:
     if bad:
         raise TaskSourceError(f"reasoning-gym config must not set {', '.join(bad)}: the job's seed decides")
     _check_name(name)
-    _dataset(name, _config_json(cfg), 0, 1)  # validates the config keys and values now, not at scoring
+    why = rg_guard.refusal(name)
+    if why:
+        raise TaskSourceError(why)
+    rg_guard.check_config_values(name, cfg)
+    _check_config(name, cfg)
     return name, cfg
+
+
+def _check_config(name: str, config: dict) -> None:
+    """The config's keys and values, by its own dataclass and validate(); no dataset is built here (its
+    cost is the config's: rows are made under limits by `rg_guard.make_split_bounded`)."""
+    _, config_cls = _registry()[name]
+    try:
+        cfg = config_cls(**json.loads(_config_json(config)), seed=0, size=1)
+        if hasattr(cfg, "validate"):
+            cfg.validate()
+    except (TypeError, ValueError, AssertionError) as e:
+        msg = " ".join(str(e).split()) or type(e).__name__
+        raise TaskSourceError(f"bad config for reasoning-gym task {name!r}: {msg}") from e
 
 
 def _config_json(config: dict) -> str:
@@ -97,7 +117,7 @@ def _config_json(config: dict) -> str:
         raise TaskSourceError(f"reasoning-gym config is not JSON data: {e}") from e
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=8)  # a dataset may hold up to rg_guard.DATASET_MB
 def _dataset(name: str, config_json: str, seed: int, size: int):
     import reasoning_gym
 

