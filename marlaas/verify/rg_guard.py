@@ -13,7 +13,8 @@ model-written text never runs as code outside the sandbox; every cost a tenant c
    config strings reach eval in some generators. One task is allowed after reading its code
    (`AUDITED`): basic_arithmetic evals only expressions it builds from integers and operators its
    config's validate() restricts to + - * /. The verify station runs the remaining scorers in its
-   own process, under the verify task's time limits.
+   own process, under the verify task's time limits. `composite` is refused as well (`REFUSED`): it
+   builds other tasks by name from its config. Third-party libraries a task imports are not scanned.
 2. Config values that name files are refused unless they name one of the package's own data files
    (`check_config_values`): reasoning-gym joins a `data_file` onto its data directory, so an
    absolute path would read any file the service can read (the store's credentials) into prompts.
@@ -46,6 +47,10 @@ from marlaas.errors import TaskSourceError
 
 # Read and allowed: the eval is on an expression the generator builds itself (see module docstring).
 AUDITED = {"basic_arithmetic"}
+# Read and refused: composite builds other tasks by name from its config (refused ones included) and
+# reads YAML files; a tenant submits one job per task instead.
+REFUSED = {"composite": "reasoning-gym task 'composite' is not offered: it builds other tasks by name from its "
+                        "config, past these checks; submit one job per task"}
 _BUILTINS = {"eval", "exec", "compile", "__import__", "breakpoint"}
 _TEXT_TO_CODE = {"sympify", "parse_expr", "parse_latex", "S"}
 _LOADERS = {("pickle", "loads"), ("pickle", "load"), ("marshal", "loads"), ("dill", "loads"),
@@ -135,6 +140,8 @@ def refusal(name: str) -> str | None:
     """Why task `name` is refused (one line), or None when it may run. `name` must be registered."""
     if name in AUDITED:
         return None
+    if name in REFUSED:
+        return REFUSED[name]
     import inspect
 
     from reasoning_gym.factory import DATASETS

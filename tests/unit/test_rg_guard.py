@@ -36,9 +36,9 @@ expr = sympify(answer)
 
 def test_tasks_that_eval_the_models_answer_are_refused():
     # string_insertion's scorer calls eval() on the model's answer; spiral_matrix too; the sympy ones parse it
-    for name in ("string_insertion", "spiral_matrix", "binary_matrix", "simple_equations", "codeio"):
+    for name in ("string_insertion", "spiral_matrix", "binary_matrix", "simple_equations", "codeio", "composite"):
         why = rg_guard.refusal(name)
-        assert why is not None and "run text as Python" in why and ".py:" in why, name
+        assert why is not None and ("run text as Python" in why and ".py:" in why or "by name" in why), name
         with pytest.raises(TaskSourceError, match="is not offered"):
             parse_task(f"reasoning_gym:{name}")
     # read and allowed: basic_arithmetic (audited); these have no eval at all
