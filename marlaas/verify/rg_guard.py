@@ -162,13 +162,18 @@ def _data_files() -> frozenset[str]:
 
 
 def _strings(value) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [s for v in value for s in _strings(v)]
-    if isinstance(value, dict):
-        return [s for k, v in value.items() for s in _strings(k) + _strings(v)]
-    return []
+    """Every string in a JSON value (keys included); iterative, whatever the nesting."""
+    out, todo = [], [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            todo.extend(v)
+        elif isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+    return out
 
 
 def check_config_values(name: str, config: dict) -> None:
