@@ -18,9 +18,10 @@ RSS (VmHWM) of every stack process and its children, read from /proc before the 
 processes are shared by both modes, so the peak after (b) covers both), and a few greedy outputs of
 each evaluation with checks that generation stopped at EOS (no chat-template markers in the text)
 and that the job record says chat_template "applied".
-The goal: >= 3 tasks rise >= 10 points over the base in both (a) and (b); mean |(a) - (b)| <= 5
-points; speedup >= 1.3. The JSON (`--out`) is written after every phase; a PNG (`--png`) draws the
-held-out accuracy before and after per task and mode.
+The goal: >= 3 tasks rise >= 10 points over the base in both (a) and (b); mean |(a) - (b)| <= 5 points;
+speedup >= 1.3. The JSON (`--out`) is written after every phase; a PNG (`--png`) draws the held-out
+accuracy before and after per task and mode, and the training reward curves (`--replot JSON` redraws it
+from an earlier run).
 """
 
 from __future__ import annotations
@@ -241,7 +242,8 @@ def plot(out: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     tasks = list(out["tasks"])
-    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(tasks)), 4))
+    fig, (ax, cx) = plt.subplots(1, 2, figsize=(max(6, 2.2 * len(tasks)) + 6, 4),
+                                 gridspec_kw={"width_ratios": [max(6, 2.2 * len(tasks)), 6]})
     width = 0.27
     series = [("base (v0)", lambda r: r.get("base_acc")),
               ("sync final", lambda r: r.get("sync", {}).get("final_acc")),
@@ -258,6 +260,17 @@ def plot(out: dict, path: Path) -> None:
     ax.set_title(f"{out['base']['name']}: before / after RL, sync (a) vs async (b)"
                  + (f"; speedup {sp:.2f}x" if sp else ""), fontsize=9)
     ax.legend(fontsize=8)
+    window = 5  # the training reward per step is a mean over one step's completions: smoothed for reading
+    for i, t in enumerate(tasks):
+        for mode, style in (("sync", "-"), ("async", "--")):
+            curve = out["tasks"][t].get(mode, {}).get("reward_curve") or []
+            smooth = [sum(curve[max(0, j - window + 1): j + 1]) / len(curve[max(0, j - window + 1): j + 1])
+                      for j in range(len(curve))]
+            cx.plot(range(1, len(smooth) + 1), smooth, style, color=f"C{i + 3}", label=f"{t} {mode}")
+    cx.set_xlabel("train step")
+    cx.set_ylabel(f"training reward (mean of the last {window} steps)")
+    cx.set_title("training reward: sync (solid) vs async (dashed)", fontsize=9)
+    cx.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -286,7 +299,12 @@ def main() -> None:
                     help="where the base is imported once (default $MARLAAS_HOME/models/smollm2-135m-instruct)")
     ap.add_argument("--out", type=Path, default=Path("results/real.json"))
     ap.add_argument("--png", type=Path, default=Path("results/real.png"))
+    ap.add_argument("--replot", type=Path, default=None, help="only draw --png from this JSON of an earlier run")
     a = ap.parse_args()
+    if a.replot is not None:
+        plot(json.loads(a.replot.read_text()), a.png)
+        print(f"wrote {a.png}")
+        return
     tasks = [t for t in a.tasks.split(",") if t]
     unknown = [t for t in tasks if t not in TASK_CONFIGS]
     if unknown:
