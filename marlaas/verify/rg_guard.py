@@ -19,7 +19,7 @@ model-written text never runs as code outside the sandbox; every cost a tenant c
    (`check_config_values`): reasoning-gym joins a `data_file` onto its data directory, so an
    absolute path would read any file the service can read (the store's credentials) into prompts.
    Every other string that looks like a path is refused too.
-3. Rows are generated in a child process with a CPU, memory and wall-clock limit
+3. Rows are generated in a child process (`_rg_rows.py`) with a CPU, memory and wall-clock limit
    (`make_split_bounded`): generators are lazy and some constructors precompute tables sized by the
    config (count_primes sieves up to max_n), so a config can ask for unbounded work; the service's
    processes never run a tenant's config unbounded. A config whose dataset grows the child by more
@@ -198,7 +198,7 @@ def make_split_bounded(name: str, config: dict, seed: int, n_train: int, n_held:
     what = f"reasoning-gym task {name!r} with this config"
     try:
         with _CHILDREN:
-            proc = subprocess.run([sys.executable, "-m", "marlaas.verify.rg_guard"], input=request, capture_output=True,
+            proc = subprocess.run([sys.executable, "-m", "marlaas.verify._rg_rows"], input=request, capture_output=True,
                                   text=True, timeout=WALL_S, env=env, cwd=str(Path(__file__).resolve().parents[2]))
     except subprocess.TimeoutExpired:
         raise TaskSourceError(f"{what} takes more than {WALL_S:.0f} s to make its rows: make it smaller") from None
@@ -212,48 +212,3 @@ def make_split_bounded(name: str, config: dict, seed: int, n_train: int, n_held:
     if "error" in out:
         raise TaskSourceError(out["error"])
     return out["train"], out["held"]
-
-
-def _limit_self() -> None:
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_CPU, (CPU_S, CPU_S + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_MB << 20, MEMORY_MB << 20))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
-def _rss_mb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _child() -> None:
-    """The child of make_split_bounded: a request on stdin, {"train", "held"} or {"error"} on stdout."""
-    _limit_self()
-    req = json.loads(sys.stdin.read())
-    from marlaas.verify import reasoning_gym
-
-    reasoning_gym._registry()  # the library's own memory is not the dataset's
-    before = _rss_mb()
-    try:
-        train, held = reasoning_gym.make_split(req["name"], req["config"], req["seed"], req["n_train"], req["n_held"])
-        grown = _rss_mb() - before
-        if grown > DATASET_MB:
-            raise TaskSourceError(f"reasoning-gym task {req['name']!r} with this config needs {grown:.0f} MB "
-                                  f"(more than {DATASET_MB} MB) to make its rows: make it smaller")
-        out = {"train": train, "held": held}
-    except TaskSourceError as e:
-        out = {"error": str(e)}
-    except MemoryError:
-        out = {"error": f"reasoning-gym task {req['name']!r} with this config needs more than {MEMORY_MB} MB "
-                        f"to make its rows: make it smaller"}
-    except Exception as e:  # noqa: BLE001  (a generator failing on this config: the tenant's one line)
-        msg = " ".join(str(e).split())[:200] or type(e).__name__
-        out = {"error": f"reasoning-gym task {req['name']!r} could not make rows with this config: "
-                        f"{type(e).__name__}: {msg}"}
-    sys.stdout.write(json.dumps(out))
-
-
-if __name__ == "__main__":
-    _child()
