@@ -46,9 +46,8 @@ def main() -> None:
         out = {"error": f"reasoning-gym task {req['name']!r} with this config needs more than {MEMORY_MB} MB "
                         f"to make its rows: make it smaller"}
     except Exception as e:  # noqa: BLE001  (a generator failing on this config: the tenant's one line)
-        msg = " ".join(str(e).split())[:200] or type(e).__name__
         out = {"error": f"reasoning-gym task {req['name']!r} could not make rows with this config: "
-                        f"{type(e).__name__}: {msg}"}
+                        f"{type(e).__name__}: {reasoning_gym.one_line(e)[:200]}"}
     sys.stdout.write(json.dumps(out))
 
 

@@ -106,8 +106,12 @@ def _check_config(name: str, config: dict) -> None:
         if hasattr(cfg, "validate"):
             cfg.validate()
     except (TypeError, ValueError, AssertionError) as e:
-        msg = " ".join(str(e).split()) or type(e).__name__
-        raise TaskSourceError(f"bad config for reasoning-gym task {name!r}: {msg}") from e
+        raise TaskSourceError(f"bad config for reasoning-gym task {name!r}: {one_line(e)}") from e
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (its type's name when it has none)."""
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _config_json(config: dict) -> str:
@@ -125,8 +129,7 @@ def _dataset(name: str, config_json: str, seed: int, size: int):
     try:
         return reasoning_gym.create_dataset(name, seed=seed, size=size, **json.loads(config_json))
     except (TypeError, ValueError, AssertionError) as e:
-        msg = " ".join(str(e).split()) or type(e).__name__
-        raise TaskSourceError(f"bad config for reasoning-gym task {name!r}: {msg}") from e
+        raise TaskSourceError(f"bad config for reasoning-gym task {name!r}: {one_line(e)}") from e
 
 
 def _portable_entry(entry: dict) -> tuple[dict | None, bool]:
