@@ -99,7 +99,8 @@ def task_spec(task: str, i: int, a, staleness: int, tag: str) -> JobSpec:
     """The job of `task` (index i): identical in both modes except max_staleness."""
     return JobSpec(tenant=f"{tag}-{task}", task=f"reasoning_gym:{task}", task_config=TASK_CONFIGS[task],
                    steps=a.steps, group_size=a.group_size, prompts_per_step=a.prompts_per_step,
-                   max_staleness=staleness, seed=a.seed + i, learning_rate=a.lr, max_new_tokens=a.max_new_tokens,
+                   max_staleness=staleness, seed=a.seed + i, learning_rate=a.lr, lr_schedule=a.lr_schedule,
+                   warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio, max_new_tokens=a.max_new_tokens,
                    temperature=a.temperature, eval_size=a.eval_size, eval_every=0, eval_k=0,
                    lora=LoraSpec(rank=a.lora_rank, alpha=2.0 * a.lora_rank), chat_template=True)
 
@@ -286,6 +287,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--eval-size", type=int, default=100)
     ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--lr-schedule", choices=("constant", "linear", "cosine"), default="constant")
+    ap.add_argument("--warmup-steps", type=int, default=0)
+    ap.add_argument("--min-lr-ratio", type=float, default=0.0)
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--staleness", type=int, default=2, help="max_staleness of the async mode (b)")
@@ -331,7 +335,8 @@ def main() -> None:
                      "eos_token_ids": info.get("eos_token_ids"), "chat_template": info.get("has_chat_template")},
             "sizes": {"steps": a.steps, "group_size": a.group_size, "prompts_per_step": a.prompts_per_step,
                       "max_new_tokens": a.max_new_tokens, "eval_size": a.eval_size, "eval_every": 0, "eval_k": 0,
-                      "learning_rate": a.lr, "lora": {"rank": a.lora_rank, "alpha": 2.0 * a.lora_rank,
+                      "learning_rate": a.lr, "lr_schedule": a.lr_schedule, "warmup_steps": a.warmup_steps,
+                      "min_lr_ratio": a.min_lr_ratio, "lora": {"rank": a.lora_rank, "alpha": 2.0 * a.lora_rank,
                                                       "targets": "all-linear"},
                       "temperature": a.temperature, "async_max_staleness": a.staleness, "engine": "hf",
                       "threads_per_process": 1, "generate_workers": a.generate_workers},

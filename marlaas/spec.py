@@ -207,7 +207,14 @@ class JobSpec(BaseModel):
     rl: RLSpec = Field(default_factory=RLSpec)
     """The loss."""
     learning_rate: float = Field(1e-3, gt=0, le=1.0)
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak of `lr_schedule`)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """How the rate moves over the steps after warm-up (formulas in `marlaas.train.schedule`):
+    'constant', or decaying to `min_lr_ratio` x `learning_rate` ('linear', 'cosine')."""
+    warmup_steps: int = Field(0, ge=0, le=100_000)
+    """Steps of linear warm-up to `learning_rate` (fewer than `steps`)."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Where a decaying schedule ends, as a fraction of `learning_rate`."""
     max_staleness: int = Field(1, ge=0, le=64)
     """S: a rollout sampled with adapter version v is trained at version <= v + S (0 = synchronous)."""
     max_new_tokens: int = Field(8, ge=1, le=4096)
@@ -245,6 +252,12 @@ class JobSpec(BaseModel):
         if isinstance(v, str) and (err := format_error(v, info.field_name)):
             raise ValueError(err)
         return v
+
+    @model_validator(mode="after")
+    def _warmup_within_steps(self) -> JobSpec:
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be fewer than steps ({self.steps})")
+        return self
 
     @model_validator(mode="after")
     def _dataset_rows(self) -> JobSpec:

@@ -41,6 +41,7 @@ from marlaas.adapters import blob_from_peft
 from marlaas.errors import MarlaasError
 from marlaas.spec import JobSpec, LoraSpec
 from marlaas.train import rl
+from marlaas.train.schedule import spec_lr
 from marlaas.types import AdapterBlob
 
 _OPT_FORMAT = 1
@@ -99,6 +100,14 @@ class _Job:
     keys: list[str]
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
+
+
+def set_lr(optimizer: torch.optim.Optimizer, spec: JobSpec, step: int) -> float:
+    """Put the job's scheduled rate for `step` (the version trained from) on every parameter group."""
+    lr = spec_lr(spec, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
 
 
 def needs_prox_pass(spec: JobSpec) -> bool:
@@ -460,6 +469,7 @@ class TrainingEngine:
         grad_norm = torch.nn.utils.clip_grad_norm_(entry.params, GRAD_CLIP)
         finite = bool(torch.isfinite(grad_norm))
         if finite:
+            metrics["lr"] = set_lr(entry.optimizer, spec, entry.version)
             entry.optimizer.step()
         else:
             # A NaN/inf gradient would poison the adapter and the moments for good: publish the

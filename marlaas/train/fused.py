@@ -44,6 +44,7 @@ from marlaas.train.engine import (
     TrainState,
     job_loss,
     needs_prox_pass,
+    set_lr,
 )
 from marlaas.train.routing import routed
 
@@ -172,6 +173,7 @@ def _optimizer_steps(parts: list[_Part], logps: list[torch.Tensor]) -> None:
     for p, logp in zip(parts, logps):
         grad_norm = torch.nn.utils.clip_grad_norm_(p.entry.params, GRAD_CLIP)
         if bool(torch.isfinite(grad_norm)):
+            p.metrics["lr"] = set_lr(p.entry.optimizer, p.spec, p.version)
             p.entry.optimizer.step()
         else:
             p.metrics.update(noop=True, nonfinite_grad=True)

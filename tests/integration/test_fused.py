@@ -51,7 +51,8 @@ JOBS = {
         2, seed=1, loss={"kind": "decoupled_ppo", "prox": "a3po", "alpha": 0.5},
         importance={"kind": "truncate", "level": "sequence", "cap": 1.5},
     ),
-    "bob/j2": _spec(4, seed=2, temperature=0.7, aggregation="sequence", drop_zero_advantage=False),
+    "bob/j2": _spec(4, seed=2, temperature=0.7, aggregation="sequence", drop_zero_advantage=False).model_copy(
+        update={"steps": 3, "lr_schedule": "cosine", "warmup_steps": 2}),  # rates 0.5x then 1x the peak
     "carol/j3": _spec(8, seed=3, targets=["q_proj", "v_proj", "down_proj"], kl_coef=0.1, aggregation="constant"),
 }  # fmt: skip
 SIZES = {"alice/j1": 4, "bob/j2": 6, "carol/j3": 5}
@@ -104,7 +105,7 @@ def _compare(solo_eng, fused_eng, solo_outs, fused_outs, spy_solo, spy_fused):
         os_ = torch.load(io.BytesIO(so.optimizer), weights_only=True)["optimizer"]["state"]
         of_ = torch.load(io.BytesIO(fo.optimizer), weights_only=True)["optimizer"]["state"]
         assert _max_diff([os_[i]["exp_avg_sq"] for i in os_], [of_[i]["exp_avg_sq"] for i in os_]) < TOL
-        for k in ("loss", "grad_norm", "kl", "tis_mean", "clip_frac", "prox_minus_behav"):
+        for k in ("loss", "grad_norm", "kl", "tis_mean", "clip_frac", "prox_minus_behav", "lr"):
             assert so.metrics[k] == pytest.approx(fo.metrics[k], abs=TOL), f"{job}: metric {k}"
         for k in ("n_tokens", "n_samples", "n_skipped", "noop", "nonfinite_grad"):
             assert so.metrics[k] == fo.metrics[k], f"{job}: metric {k}"
@@ -130,6 +131,7 @@ def test_fused_step_equals_solo_steps(engines):
         with _GradSpy() as spy_f:
             fused_outs = step_fused(fused, [(j, t, spec, batches[t][j], states.get(j)) for j, spec in JOBS.items()])
         _compare(solo, fused, solo_outs, fused_outs, spy_s, spy_f)
+        assert [o.metrics["lr"] for o in fused_outs] == pytest.approx([1e-3, 0.5e-3 * (t + 1), 1e-3])
         assert solo.cached() == fused.cached() == {j: t + 1 for j in JOBS}
         carol_state = TrainState(t + 1, fused_outs[2].adapter, fused_outs[2].optimizer)
 

@@ -229,3 +229,25 @@ def test_nonfinite_gradient_leaves_the_adapter_unchanged(engine):
     assert out.metrics["loss"] is None  # NaN is not JSON
     _assert_same_weights(out.adapter, good.adapter, exact=True)
     assert int(_opt(out)["state"][0]["step"]) == 1
+
+
+def test_schedule_sets_each_steps_rate_by_the_version_trained_from(random_base):
+    """Adam's first step moves each weight by about lr * sign(grad): with a 2-step warm-up the first
+    step moves half as far as at the peak, and each step's rate follows the schedule of its version."""
+    samples = _samples(7)
+    peak = TrainingEngine(random_base, threads=1)
+    warm = TrainingEngine(random_base, threads=1)
+    sched = _spec().model_copy(update={"steps": 4, "lr_schedule": "linear", "warmup_steps": 2})
+    w0 = _weights(peak.step("p", 0, _spec(), _on_policy(peak, samples), None).adapter)
+    w1 = _weights(warm.step("w", 0, sched, _on_policy(warm, samples), None).adapter)
+    init = _weights(TrainingEngine(random_base, threads=1).step("z", 0, _spec(), [], None).adapter)
+    moved_peak = sum(float((w0[k] - init[k]).abs().sum()) for k in w0)
+    moved_warm = sum(float((w1[k] - init[k]).abs().sum()) for k in w1)
+    assert moved_peak > 0 and moved_warm / moved_peak == pytest.approx(0.5, rel=1e-3)
+    rates = []
+    for v in range(4):
+        out = warm.step("w2", v, sched, _on_policy(warm, samples, "w2" if v else None), None)
+        rates.append(out.metrics["lr"])
+        assert _opt(out)["param_groups"][0]["lr"] == pytest.approx(out.metrics["lr"])
+    # steps 4, W 2: warm-up 1/2, 2/2; then linear to 0 over the remaining 2: p = 0, 1/2.
+    assert rates == pytest.approx([0.5e-2, 1e-2, 1e-2, 0.5e-2])
