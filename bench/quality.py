@@ -59,6 +59,12 @@ def job_record(job, spec: JobSpec, wall_s: float) -> dict:
         "within_bound": all(k <= spec.max_staleness for k in hist),
         "regenerated": st["regenerated"],
         "wall_s": round(wall_s, 1),
+        # Off-policy gauges averaged over the steps that trained (a no-op step has no ratios).
+        "step_means": {
+            k: round(sum(vals) / len(vals), 5) if vals else None
+            for k in ("lr", "tis_mean", "tis_trunc_frac", "prox_minus_behav", "n_samples")
+            for vals in [[float(r[k]) for r in steps if not r.get("noop") and r.get(k) is not None]]
+        },
     }
     for v in (0, spec.steps):  # any extra evaluation fields (sampled pass@k) the job reports
         extra = {k: val for k, val in evals.get(v, {}).items() if k not in ("outputs", "at", "acc")}
