@@ -72,3 +72,15 @@ class ServerError(MarlaasError):
 
 class ApiUnavailable(MarlaasError):
     """No marlaas API server answers at the client's URL."""
+
+
+def one_line(what: BaseException | str, limit: int = 300, typed: bool = False) -> str:
+    """A message on one line (whitespace runs become one space), at most `limit` characters (cut with
+    "..."). An exception gives its message, prefixed "Type: " when `typed`, or its type's name when
+    it has no message."""
+    if isinstance(what, BaseException):
+        msg = " ".join(str(what).split())
+        text = f"{type(what).__name__}: {msg}" if typed else (msg or type(what).__name__)
+    else:
+        text = " ".join(str(what).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -39,7 +39,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from marlaas.errors import BaseImportError
+from marlaas.errors import BaseImportError, one_line
 
 NAMED_SOURCES: dict[str, tuple[str, str]] = {
     # name -> (python package holding the file, file name inside it)
@@ -58,11 +58,6 @@ _LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 _LOAD_FLAGS = ("is_local", "local_files_only")
 _PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42."
 
-
-
-def _one_line(text: str) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= 400 else text[:397] + "..."
 
 
 class _Progress:
@@ -84,7 +79,7 @@ def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise BaseImportError(_one_line(f"{path} is not readable JSON: {e}")) from e
+        raise BaseImportError(one_line(f"{path} is not readable JSON: {e}", 400)) from e
     if not isinstance(data, dict):
         raise BaseImportError(f"{path} is not a JSON object")
     return data
@@ -340,7 +335,8 @@ def import_base(src: str, out: Path, progress: bool = True) -> Path:
             except BaseImportError:
                 raise
             except Exception as e:  # transformers raises many types; the user gets one line
-                raise BaseImportError(_one_line(f"cannot load {path} as a causal LM: {type(e).__name__}: {e}")) from e
+                msg = one_line(f"cannot load {path} as a causal LM: {type(e).__name__}: {e}", 400)
+                raise BaseImportError(msg) from e
             eos_ids = _fix_generation_config(model, tok)
             _save(model, tok, tmp, prog)
             info = _verify(tmp, model, tok, prog)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from marlaas.errors import TaskSourceError
+from marlaas.errors import TaskSourceError, one_line
 from marlaas.verify.rg_guard import CPU_S, DATASET_MB, MEMORY_MB
 
 
@@ -47,7 +47,7 @@ def main() -> None:
                         f"to make its rows: make it smaller"}
     except Exception as e:  # noqa: BLE001  (a generator failing on this config: the tenant's one line)
         out = {"error": f"reasoning-gym task {req['name']!r} could not make rows with this config: "
-                        f"{type(e).__name__}: {reasoning_gym.one_line(e)[:200]}"}
+                        f"{type(e).__name__}: {one_line(e, 200)}"}
     sys.stdout.write(json.dumps(out))
 
 

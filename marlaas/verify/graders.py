@@ -44,7 +44,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from marlaas.errors import MarlaasError, SpecError, VerifierError
+from marlaas.errors import MarlaasError, SpecError, VerifierError, one_line
 from marlaas.verify import formula, similarity
 from marlaas.verify.verifiers import BUILTIN, GroupScore
 
@@ -54,7 +54,6 @@ MAX_TEXT = 20_000
 MAX_SUBGRADERS = 16
 MAX_DEPTH = 3
 _RANGE_EPS = 1e-9
-_ERROR_MAX = 300
 _TEMPLATE = re.compile(r"\{\{(.*?)\}\}", re.S)
 _FIELD = re.compile(r"^\s*(?:item\.([A-Za-z_][A-Za-z0-9_]{0,63})|sample\.(output_text))\s*$")
 _SUBNAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
@@ -63,12 +62,6 @@ _MARK = "__marlaas_grade__="
 
 class GraderLoadError(MarlaasError):
     """A grader that cannot be used at all (e.g. a registered name that no longer resolves)."""
-
-
-def _one_line(e: BaseException | str) -> str:
-    text = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
-    text = " ".join(str(text).split())
-    return text if len(text) <= _ERROR_MAX else text[: _ERROR_MAX - 3] + "..."
 
 
 def check_template(text: str) -> str:
@@ -171,7 +164,7 @@ class PythonGrader(_GraderBase):
         try:
             tree = ast.parse(v, "<grader>")  # parsing runs nothing
         except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
-            raise ValueError(f"source does not parse: {_one_line(e)}") from None
+            raise ValueError(f"source does not parse: {one_line(e, typed=True)}") from None
         grade = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "grade"]
         if not grade:
             raise ValueError("source must define a top-level function grade(sample, item)")
@@ -304,7 +297,7 @@ def _each(completions: list[str], fn: Callable[[str], float]) -> list[Outcome]:
         try:
             out.append((float(fn(c)), None))
         except Exception as e:  # noqa: BLE001 - a completion the grader cannot score is counted, by contract
-            out.append((0.0, _one_line(e)))
+            out.append((0.0, one_line(e, typed=True)))
     return out
 
 
@@ -345,14 +338,14 @@ def python_program(g: PythonGrader, sample: dict, item: Mapping) -> str:
 
 def _python_outcome(result) -> Outcome:
     if not result.ok:
-        return 0.0, _one_line(f"python grader: {result.error or result.status}")
+        return 0.0, one_line(f"python grader: {result.error or result.status}")
     line = next((ln for ln in reversed(result.stdout.splitlines()) if ln.startswith(_MARK)), None)
     if line is None:
         return 0.0, "python grader: no result (output lost)"
     try:
         return _in_range(float(line[len(_MARK):]), "grade"), None
     except ValueError as e:
-        return 0.0, _one_line(f"python grader: {e}")
+        return 0.0, one_line(f"python grader: {e}")
 
 
 def _prepare(g, item: Mapping, comps: list[str], programs: list, registered: Mapping[str, str]) -> Finish:
@@ -381,13 +374,13 @@ def _prepare(g, item: Mapping, comps: list[str], programs: list, registered: Map
             for i in range(len(comps)):
                 err = next((f"{k}: {by_name[k][i][1]}" for k in by_name if by_name[k][i][1]), None)
                 if err:
-                    out.append((0.0, _one_line(err)))
+                    out.append((0.0, one_line(err)))
                     continue
                 try:
                     value = formula.evaluate(tree, {k: by_name[k][i][0] for k in by_name})
                     out.append((_in_range(value, "calculate_output"), None))
                 except (formula.FormulaError, ValueError, TypeError) as e:
-                    out.append((0.0, _one_line(e)))
+                    out.append((0.0, one_line(e, typed=True)))
             return out
 
         return finish
@@ -442,7 +435,7 @@ def grade_groups(grader, items: list[tuple[Mapping, list[str]]],
     try:
         results = _run_python(programs)
     except SandboxError as e:
-        err = _one_line(e)
+        err = one_line(e, typed=True)
         return [GroupScore(rewards=[0.0] * len(comps), errors=len(comps), error=err) for _, comps in items]
     out = []
     for finish in finishes:

@@ -44,7 +44,7 @@ import functools
 import json
 from typing import Any
 
-from marlaas.errors import TaskSourceError
+from marlaas.errors import TaskSourceError, one_line
 from marlaas.verify import rg_guard
 from marlaas.verify.answers import answers_match, extract_answer_rule, numbers_in, parse_number
 
@@ -107,11 +107,6 @@ def _check_config(name: str, config: dict) -> None:
             cfg.validate()
     except (TypeError, ValueError, AssertionError) as e:
         raise TaskSourceError(f"bad config for reasoning-gym task {name!r}: {one_line(e)}") from e
-
-
-def one_line(e: BaseException) -> str:
-    """An exception's message on one line (its type's name when it has none)."""
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _config_json(config: dict) -> str:

@@ -30,7 +30,7 @@ import re
 import sys
 from collections.abc import Callable
 
-from marlaas.errors import VerifierError
+from marlaas.errors import VerifierError, one_line
 
 NAME = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
 """A registered name: lower-case letters, digits, '_' and '-', starting with a letter (no ':')."""
@@ -48,11 +48,6 @@ DENIED = frozenset({
 })
 """Top-level packages whose functions are never verifiers (a few do I/O, run text as code or belong to
 the worker itself)."""
-
-
-def _one_line(text: str) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def check_path(path: str) -> tuple[str, str]:
@@ -86,7 +81,7 @@ def import_function(path: str) -> Callable[[str, dict], object]:
         module = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - any import failure is the operator's one-line error
         raise VerifierError(f"verifier {path!r}: cannot import {module_name!r} "
-                            f"({_one_line(f'{type(e).__name__}: {e}')})") from e
+                            f"({one_line(e, typed=True)})") from e
     if not hasattr(module, function):
         raise VerifierError(f"verifier {path!r}: {module_name!r} has no attribute {function!r}")
     fn = getattr(module, function)
@@ -98,7 +93,7 @@ def import_function(path: str) -> Callable[[str, dict], object]:
     try:
         inspect.signature(fn).bind("completion", {})
     except (TypeError, ValueError) as e:
-        raise VerifierError(f"verifier {path!r} must accept (completion, row): {_one_line(str(e))}") from e
+        raise VerifierError(f"verifier {path!r} must accept (completion, row): {one_line(str(e))}") from e
     return fn
 
 

@@ -36,10 +36,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from marlaas.errors import one_line
+
 Verifier = Callable[[str, dict], "float | bool"]
 
 BUILTIN = ("exact", "math", "code", "tool", "reasoning_gym")
-_ERROR_MAX = 300
 
 
 @dataclass
@@ -52,12 +53,6 @@ class GroupScore:
     """How many completions the verifier could not score (it raised)."""
     error: str | None = None
     """The first such error, one line."""
-
-
-def _one_line(e: BaseException | str) -> str:
-    text = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
-    text = " ".join(text.split())
-    return text if len(text) <= _ERROR_MAX else text[: _ERROR_MAX - 3] + "..."
 
 
 # ---------------------------------------------------------------- built-in verifiers
@@ -150,7 +145,7 @@ def _score_code(completions: list[str], row: dict) -> GroupScore:
         programs = [code_program(c, row) for c in completions]
         results = run_batch(programs)
     except (ValueError, TypeError, SyntaxError, SandboxError) as e:
-        return GroupScore(rewards=[0.0] * len(completions), errors=len(completions), error=_one_line(e))
+        return GroupScore(rewards=[0.0] * len(completions), errors=len(completions), error=one_line(e, typed=True))
     return GroupScore(rewards=[1.0 if r.ok else 0.0 for r in results])
 
 
@@ -219,7 +214,7 @@ def score_group(verifier: str, row: dict, completions: list[str]) -> GroupScore:
         except Exception as e:  # noqa: BLE001 - a failing verifier scores 0 and is counted, by contract
             rewards.append(0.0)
             errors += 1
-            first = first or _one_line(e)
+            first = first or one_line(e, typed=True)
     return GroupScore(rewards=rewards, errors=errors, error=first)
 
 
@@ -237,7 +232,7 @@ def score_groups(verifier: str, items: list[tuple[dict, list[str]]]) -> list[Gro
         try:
             progs = [code_program(c, row) for c in comps]
         except (ValueError, TypeError, SyntaxError) as e:
-            out[i] = GroupScore(rewards=[0.0] * len(comps), errors=len(comps), error=_one_line(e))
+            out[i] = GroupScore(rewards=[0.0] * len(comps), errors=len(comps), error=one_line(e, typed=True))
             continue
         spans.append((i, len(programs), len(progs)))
         programs += progs
@@ -246,7 +241,7 @@ def score_groups(verifier: str, items: list[tuple[dict, list[str]]]) -> list[Gro
             results = run_batch(programs)
         except SandboxError as e:
             for i, _, n in spans:
-                out[i] = GroupScore(rewards=[0.0] * n, errors=n, error=_one_line(e))
+                out[i] = GroupScore(rewards=[0.0] * n, errors=n, error=one_line(e, typed=True))
         else:
             for i, start, n in spans:
                 out[i] = GroupScore(rewards=[1.0 if r.ok else 0.0 for r in results[start:start + n]])
