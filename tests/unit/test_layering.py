@@ -18,6 +18,7 @@ PURE = (
     "marlaas.control.scheduler",
     "marlaas.train.rl",
     "marlaas.train.losses",
+    "marlaas.train.schedule",
     "marlaas.tools.episodes",
     "marlaas.verify.evaluation",
     "marlaas.families",
