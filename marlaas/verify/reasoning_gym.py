@@ -33,6 +33,9 @@ Dataset objects are cached per (name, config JSON, seed, size). reasoning_gym is
 What a tenant may ask (tasks whose code can run text as Python are refused, no file paths in a
 config, rows made under CPU, memory and time limits) is `marlaas.verify.rg_guard`'s.
 
+A dataset scorer that raises on the extracted answer (prime_factorization calls int() on prose)
+scores it 0.0: a wrong answer, not a verifier error counted against the job.
+
 Invariant: `score` returns a float in [0, 1] and never rewards an answer that is not extracted
 (a restated question has none).
 """
@@ -248,7 +251,10 @@ def score(completion: str, row: dict) -> float:
     answer = completion_answer(completion, gold, question) if isinstance(completion, str) else None
     if answer is None:
         return 0.0
-    value = float(ds.score_answer(answer, entry))
+    try:
+        value = float(ds.score_answer(answer, entry))
+    except Exception:  # noqa: BLE001 - a task's scorer that cannot parse the model's answer: a wrong answer
+        return 0.0  # (e.g. prime_factorization's int() on prose), not a verifier error counted against the job
     if 0.0 < value < 1.0 and gold in answer and answer.strip() != gold.strip():
         value = 0.0  # reasoning-gym's substring credit: the gold inside a longer, different answer
     return min(max(value, 0.0), 1.0)

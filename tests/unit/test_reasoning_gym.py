@@ -111,3 +111,14 @@ def test_gold_that_is_an_operand_is_not_paid_for_a_restatement():
     assert score(gold, row) == 1.0
     assert score(f"lcm({a}, {b}) = {gold}", row) == 1.0
     assert score(f"The answer is {gold}", row) == 1.0
+
+
+def test_a_scorer_that_cannot_parse_the_answer_scores_zero_without_an_error():
+    # prime_factorization's own score_answer calls int() on every factor: prose raises ValueError there.
+    from marlaas.verify.verifiers import score_group
+
+    row = make_rows("prime_factorization", {"min_value": 2, "max_value": 100}, seed=0, n=1)[0]
+    prose = "To find the prime factorization of it, we"
+    assert score(prose, row) == 0.0
+    res = score_group("reasoning_gym", row, [prose, row["answer"]])
+    assert res.rewards == [0.0, 1.0] and res.errors == 0, res
