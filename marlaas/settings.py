@@ -72,7 +72,8 @@ class Settings(BaseSettings):
     the rest), with a clear error instead of a store that fails mid-job."""
     retention_s: float = Field(7 * 86400.0, ge=0)
     """How long a finished, failed or cancelled job's bulk data (rows, rollouts, optimizer state,
-    adapters other than the final and evaluated ones) stays; its record, metrics and evaluations stay."""
+    adapters other than the final and evaluated ones) stays; its record, metrics and evaluations stay.
+    Sooner when a submit finds the store over `admission_memory_fraction` (oldest ended first)."""
     stall_s: float = Field(1800.0, gt=0)
     """The watchdog: a job whose version and dispatched groups have not moved for this long, while
     its turn on the trainer has come (its pass is not past the lane's virtual time), is failed with

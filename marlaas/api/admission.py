@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -23,15 +24,29 @@ from marlaas.store import Store
 from marlaas.verify.graders import check_submit as check_verifiers
 
 _TOKENIZER = threading.Lock()  # the API serves requests on a thread pool
+PRESSURE_ROUNDS, PRESSURE_BATCH = 10, 20  # at most 200 ended jobs collected for one submit
+
+
+def make_room(store: Store) -> None:
+    """StoreFull unless the store is below its admission share. Over it, ended jobs' bulk data
+    (intermediate adapters, optimizer state, rows, rollouts: `Store.collect_garbage`) is collected
+    first, before its retention period, oldest ended first: new work goes before the leftovers of old
+    jobs. Their records, metrics, evaluations and downloadable adapters stay."""
+    used, cap = store.memory_use()
+    share = get_settings().admission_memory_fraction
+    for _ in range(PRESSURE_ROUNDS):
+        if not cap or used <= share * cap or not store.collect_garbage(time.time(), 0.0, limit=PRESSURE_BATCH):
+            break
+        used, cap = store.memory_use()
+    if cap and used > share * cap:
+        raise StoreFull(f"the service's store is full ({used >> 20} of {cap >> 20} MiB used, ended jobs' "
+                        "bulk data already collected): new jobs are refused until running ones finish; "
+                        "try again later")
 
 
 def admit(store: Store, tenant: str | None, spec: JobSpec | dict) -> str:
     """Validate a tenant's job and store it; returns the job id."""
-    used, cap = store.memory_use()
-    share = get_settings().admission_memory_fraction
-    if cap and used > share * cap:
-        raise StoreFull(f"the service's store is full ({used >> 20} of {cap >> 20} MiB used): new jobs are "
-                        "refused until running ones finish; try again later")
+    make_room(store)
     spec = tenancy.check_submit(store, tenant, parse_spec(spec))
     check_verifiers(store, tenant, spec)  # registered names only, for tenants
     dep = store.deployment()
