@@ -202,7 +202,8 @@ def main() -> None:
         ats = sorted(m["at"] for m in metrics if t_attack - lease_s <= m.get("at", 0) <= t_end_attack + lease_s)
         gap = max((b - x for x, b in zip(ats, ats[1:])), default=None)
         rec = store.job(vjob)
-        untouched = rec.status == "running" and rec.tenant == "victim" and rec.version == len(metrics)
+        n_after = len(store.metrics(vjob))  # the victim keeps training between the two reads
+        untouched = rec.status == "running" and rec.tenant == "victim" and len(metrics) <= rec.version <= n_after
         out = {
             "command": "bench/abuse.py" + (f" --window-s {a.window_s:g}" if a.window_s != 30 else ""),
             "date": time.strftime("%Y-%m-%d"),
