@@ -1,10 +1,10 @@
 """Admission: what happens to a job spec between a tenant and the store.
 
 `admit(store, tenant, spec)` is the whole path, in this order: make room in the store (`make_room`),
-parse and validate the spec, check it
-against the tenant's quotas, check the base model and LoRA rank against the deployment, build and
-split the rows (a built-in task's or the tenant's dataset), render prompts with the base's chat
-template, check every prompt fits the base's context, then store the job. Every refusal is one
+parse and validate the spec, check it against the tenant's quotas, check the base model and LoRA
+rank against the deployment, build and split the rows (a built-in task's or the tenant's dataset),
+render prompts with the base's chat template, check every prompt fits the base's context, then
+store the job. Every refusal is one
 `MarlaasError` line and stores nothing.
 """
 
