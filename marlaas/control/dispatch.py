@@ -262,7 +262,8 @@ def _trainer_free(store: Store, lease: dict | None, workers: dict[str, dict]) ->
 
 def tick(store: Store, send: Send, now: float | None = None, memory: TickMemory = MEMORY) -> scheduler.Plan | None:
     """One scheduling round; returns the plan carried out, or None if another tick holds the lock.
-    Every GC_EVERY_S it also collects the bulk data of a few jobs past their retention period."""
+    Every GC_EVERY_S it also collects the bulk data of a few jobs past their retention period (of any
+    ended job, oldest first, while the store is over its admission share)."""
     token = store.acquire_lock()
     if token is None:
         return None
@@ -274,7 +275,12 @@ def tick(store: Store, send: Send, now: float | None = None, memory: TickMemory 
         apply(store, plan, send, snap, lane)
         if now - memory.last_gc.get(store.url, 0.0) > GC_EVERY_S:  # ended jobs' bulk data, a few at a time
             memory.last_gc[store.url] = now
-            gone = store.collect_garbage(now, get_settings().retention_s)
+            cfg = get_settings()
+            used, cap = store.memory_use()
+            # Over the admission share, ended jobs' leftovers go before their retention period (oldest
+            # first): the room belongs to running jobs, which fail on a write past the cap.
+            retention = 0.0 if cap and used > cfg.admission_memory_fraction * cap else cfg.retention_s
+            gone = store.collect_garbage(now, retention)
             if gone:
                 log.info("collected the bulk data of %d ended jobs: %s", len(gone), ", ".join(gone))
         return plan

@@ -1,4 +1,6 @@
-"""The store's hygiene: a finished job's bulk data is deleted after the retention period.
+"""The store's hygiene: a finished job's bulk data is deleted after the retention period, or sooner
+(oldest ended first) while the store is over its admission share: by the control tick and by a
+submit that finds the store full (`marlaas.api.admission.make_room`).
 
 Kept for good: the job record, its metrics, its evaluations (scores and outputs) and the adapters a
 tenant may download (the final version and every evaluated one). Deleted: its prompt rows, rollouts

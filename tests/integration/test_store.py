@@ -173,6 +173,28 @@ def test_an_ended_jobs_bulk_data_goes_after_the_retention_period(st):
 
 
 @pytest.mark.integration
+def test_the_tick_collects_ended_jobs_early_while_the_store_is_over_its_share(st, monkeypatch):
+    from marlaas.settings import get_settings
+    from marlaas.store import adapter_key, optim_key
+
+    spec = JobSpec(tenant="t", task="sort", steps=2, prompts_per_step=2, group_size=4, eval_size=2)
+    rows = [{"prompt": f"sort:{i}=", "answer": str(i)} for i in range(4)]
+    jid = st.create_job(spec, rows, rows[:2])
+    for t in range(2):
+        st.publish(jid, t, AdapterBlob({"r": 4}, b"w%d" % t), b"opt", {"step": t + 1}, "x", [], 2, 0)
+    st.set_status(jid, "done")
+    used, cap = st.memory_use()
+    assert cap > 0
+    memory = dispatch.TickMemory()
+    dispatch.tick(st, lambda msgs: None, memory=memory)  # under the share: within retention, kept
+    assert st.r.exists(adapter_key(jid, 1), optim_key(jid)) == 2
+    monkeypatch.setattr(get_settings(), "admission_memory_fraction", used / cap / 2)
+    dispatch.tick(st, lambda msgs: None, now=time.time() + dispatch.GC_EVERY_S + 1, memory=memory)
+    assert st.r.exists(adapter_key(jid, 1), optim_key(jid)) == 0
+    assert st.r.exists(adapter_key(jid, 2)) and st.job(jid).extra["collected"] == "1"
+
+
+@pytest.mark.integration
 def test_rollouts_reference_their_row_instead_of_copying_it(st):
     from marlaas.store import roll_key
 
