@@ -40,6 +40,16 @@ def task_spec(task: str, i: int, a, staleness: int, tag: str) -> JobSpec:
                    eval_size=a.eval_size, eval_k=a.eval_k, learning_rate=a.lr)
 
 
+def _step_means(steps: list[dict]) -> dict:
+    """Off-policy gauges averaged over the steps that trained (a no-op step has no ratios)."""
+    trained = [r for r in steps if not r.get("noop")]
+    out = {}
+    for k in ("lr", "tis_mean", "tis_trunc_frac", "prox_minus_behav", "n_samples"):
+        vals = [float(r[k]) for r in trained if r.get(k) is not None]
+        out[k] = round(sum(vals) / len(vals), 5) if vals else None
+    return out
+
+
 def job_record(job, spec: JobSpec, wall_s: float) -> dict:
     """What the parity table needs from one finished job."""
     st = job.status()
@@ -59,12 +69,7 @@ def job_record(job, spec: JobSpec, wall_s: float) -> dict:
         "within_bound": all(k <= spec.max_staleness for k in hist),
         "regenerated": st["regenerated"],
         "wall_s": round(wall_s, 1),
-        # Off-policy gauges averaged over the steps that trained (a no-op step has no ratios).
-        "step_means": {
-            k: round(sum(vals) / len(vals), 5) if vals else None
-            for k in ("lr", "tis_mean", "tis_trunc_frac", "prox_minus_behav", "n_samples")
-            for vals in [[float(r[k]) for r in steps if not r.get("noop") and r.get(k) is not None]]
-        },
+        "step_means": _step_means(steps),
     }
     for v in (0, spec.steps):  # any extra evaluation fields (sampled pass@k) the job reports
         extra = {k: val for k, val in evals.get(v, {}).items() if k not in ("outputs", "at", "acc")}

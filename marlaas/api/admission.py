@@ -33,13 +33,13 @@ def make_room(store: Store) -> None:
     (intermediate adapters, optimizer state, rows, rollouts: `Store.collect_garbage`) is collected
     first, before its retention period, oldest ended first: new work goes before the leftovers of old
     jobs. Their records, metrics, evaluations and downloadable adapters stay."""
-    used, cap = store.memory_use()
     share = get_settings().admission_memory_fraction
+    over, used, cap = store.over_share(share)
     for _ in range(PRESSURE_ROUNDS):
-        if not cap or used <= share * cap or not store.collect_garbage(time.time(), 0.0, limit=PRESSURE_BATCH):
+        if not over or not store.collect_garbage(time.time(), 0.0, limit=PRESSURE_BATCH):
             break
-        used, cap = store.memory_use()
-    if cap and used > share * cap:
+        over, used, cap = store.over_share(share)
+    if over:
         raise StoreFull(f"the service's store is full ({used >> 20} of {cap >> 20} MiB used, ended jobs' "
                         "bulk data already collected): new jobs are refused until running ones finish; "
                         "try again later")

@@ -276,10 +276,9 @@ def tick(store: Store, send: Send, now: float | None = None, memory: TickMemory 
         if now - memory.last_gc.get(store.url, 0.0) > GC_EVERY_S:  # ended jobs' bulk data, a few at a time
             memory.last_gc[store.url] = now
             cfg = get_settings()
-            used, cap = store.memory_use()
             # Over the admission share, ended jobs' leftovers go before their retention period (oldest
             # first): the room belongs to running jobs, which fail on a write past the cap.
-            retention = 0.0 if cap and used > cfg.admission_memory_fraction * cap else cfg.retention_s
+            retention = 0.0 if store.over_share(cfg.admission_memory_fraction)[0] else cfg.retention_s
             gone = store.collect_garbage(now, retention)
             if gone:
                 log.info("collected the bulk data of %d ended jobs: %s", len(gone), ", ".join(gone))

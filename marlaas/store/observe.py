@@ -62,6 +62,11 @@ class ObserveOps:
         info = self.r.info("memory")
         return int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
 
+    def over_share(self, share: float) -> tuple[bool, int, int]:
+        """(whether the store uses more than `share` of its cap, bytes used, cap); never over without a cap."""
+        used, cap = self.memory_use()
+        return bool(cap) and used > share * cap, used, cap
+
     def queue_depths(self, queues: tuple[str, ...] = ("generate", "verify", "train", "control")) -> dict[str, int]:
         """Messages waiting in each Celery queue. Kombu's Redis transport keeps a queue as a Redis list
         named after it, plus one list per non-zero priority step named `queue + "\\x06\\x16" + step`."""
