@@ -297,6 +297,9 @@ def main() -> None:
     ap.add_argument("--modes", default="sync,async")
     ap.add_argument("--generate-workers", type=int, default=2,
                     help="generate worker processes, 1 thread each (generation dominates a real model on CPU)")
+    ap.add_argument("--jit-jobs", type=int, default=0,
+                    help="MARLAAS_GEN_JIT_JOBS of the stack: from this many jobs training on, generate just in time "
+                         "(no groups ahead; 0: ahead as far as each job's staleness bound allows)")
     ap.add_argument("--job-timeout", type=float, default=3600.0)
     ap.add_argument("--base", type=Path, default=None, help="an imported base directory, used read-only")
     ap.add_argument("--base-dir", type=Path, default=None,
@@ -318,7 +321,8 @@ def main() -> None:
     t_start = time.time()
     base, info = prepare_base(a)
     hashes_before = dir_hashes(base) if a.base is not None else None
-    env = {"MARLAAS_BASE": str(base), "MARLAAS_ENGINE": "hf", "MARLAAS_THREADS": "1", "MARLAAS_LEASE_S": "600"}
+    env = {"MARLAAS_BASE": str(base), "MARLAAS_ENGINE": "hf", "MARLAAS_THREADS": "1", "MARLAAS_LEASE_S": "600",
+           "MARLAAS_GEN_JIT_JOBS": str(a.jit_jobs)}
     stack = Stack(env=env, log_dir=home / "bench-logs" / "real")
     state: dict = {"sync": {}, "async": {}, "sync_wall_s": None, "async_wall_s": None, "busy": {}, "rss_mb": {}}
     opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()
@@ -339,7 +343,8 @@ def main() -> None:
                       "min_lr_ratio": a.min_lr_ratio, "lora": {"rank": a.lora_rank, "alpha": 2.0 * a.lora_rank,
                                                       "targets": "all-linear"},
                       "temperature": a.temperature, "async_max_staleness": a.staleness, "engine": "hf",
-                      "threads_per_process": 1, "generate_workers": a.generate_workers},
+                      "threads_per_process": 1, "generate_workers": a.generate_workers,
+                      "gen_jit_jobs": a.jit_jobs},
             "tasks": {},
             "sync_wall_s": state["sync_wall_s"],
             "async_wall_s": state["async_wall_s"],

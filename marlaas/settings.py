@@ -59,6 +59,13 @@ class Settings(BaseSettings):
     many small ones (decode cost hardly grows with the batch on a GPU). Batches with lost work, an
     evaluation or a group the trainer waits on go at once. 0: every batch at once (separate devices,
     or CPU cores, where early generation costs the trainer nothing)."""
+    gen_jit_jobs: int = Field(0, ge=0)
+    """From this many jobs training on, generation is just in time: only the groups a job's next train
+    step needs (and evaluations) are generated, never groups for its later steps, so every sample
+    trains at the version it was sampled with (staleness 0) while the trainer takes the other jobs'
+    steps. For a deployment where the trainer is the busy station (CPU, or few jobs per generate
+    worker); with fewer jobs training, groups ahead are generated within each job's staleness bound
+    as usual. 0: always generate ahead as far as the bound allows (most overlap, oldest samples)."""
     max_lora_rank: int = Field(16, ge=1, le=256)
     """Largest LoRA rank a job may use; the vLLM engine is sized for it (its CPU cost follows it)."""
     lease_s: float = Field(120.0, gt=0)

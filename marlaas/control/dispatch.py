@@ -231,6 +231,7 @@ def snapshot(store: Store, now: float, memory: TickMemory = MEMORY) -> scheduler
         trainer_free=trainer_free,
         expired=expired,
         min_batch_rows=int(s.gen_min_fill * s.gen_batch_rows),
+        jit_jobs=s.gen_jit_jobs,
     )
 
 

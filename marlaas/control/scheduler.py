@@ -12,6 +12,13 @@ when the generate task runs, v >= t_d. It trains at version t = k, so t - v <= k
 Nothing is discarded in normal operation; the train task still checks the bound and regenerates
 (never trains on) any group that would break it.
 
+The bound is a limit, not a target. Groups of a job's next step are sampled at the version they
+train at (staleness 0); only groups ahead (for later steps) are sampled older. They buy overlap of
+generation and training within one job, which is worth it with few jobs. With `jit_jobs` set and at
+least that many jobs training, the trainer always has other jobs' steps to take while one job's next
+step is generated, so groups ahead are not generated at all (just in time): samples stay fresh and
+the off-policy gap between sampler and learner stays 0 while the trainer is the busy station.
+
 Trainer lane: weighted round-robin by stride scheduling. Each job has a pass value; among jobs
 whose next step's groups are all verified, the one with the lowest pass trains next and its pass
 grows by 1 / weight. Over any window a job with weight w gets a share w / sum(w) of the steps
@@ -64,6 +71,7 @@ class Snapshot:
     trainer_free: bool = True
     expired: tuple[Item, ...] = ()
     min_batch_rows: int = 0  # a batch of groups ahead only (none urgent) waits until this full
+    jit_jobs: int = 0  # from this many jobs training on, no groups ahead are generated (0: never just in time)
 
 
 @dataclass
@@ -188,11 +196,16 @@ def _interleave_iter(jobs: tuple[JobState, ...]):
             heapq.heappop(heap)
 
 
-def _groups_in_order(jobs: tuple[JobState, ...], evals: list[Item]):
+def just_in_time(jobs: tuple[JobState, ...], jit_jobs: int) -> bool:
+    """Whether groups ahead are left out: `jit_jobs` > 0 and at least that many jobs still training."""
+    return jit_jobs > 0 and sum(1 for j in jobs if not j.done_training) >= jit_jobs
+
+
+def _groups_in_order(jobs: tuple[JobState, ...], evals: list[Item], ahead: bool = True):
     """The groups the jobs' next steps still lack, job by job in the order the trainer takes them
     (choose_trainer's: lowest pass, then id), so that each batch completes whole steps; then
-    `evals`; then the other admissible groups interleaved across jobs by weight (starting where the
-    first pass stopped for each job)."""
+    `evals`; then (if `ahead`) the other admissible groups interleaved across jobs by weight
+    (starting where the first pass stopped for each job)."""
     taken: dict[str, int] = {}
     for j in sorted((j for j in jobs if j.dispatched < _next_step_limit(j)), key=trainer_order):
         for g in range(j.dispatched, min(_next_step_limit(j),
@@ -200,6 +213,8 @@ def _groups_in_order(jobs: tuple[JobState, ...], evals: list[Item]):
             taken[j.id] = g + 1
             yield (ItemKind.GEN, j.id, g)
     yield from evals
+    if not ahead:
+        return
     if taken:
         jobs = tuple(replace(j, dispatched=taken[j.id]) if j.id in taken else j for j in jobs)
     yield from _interleave_iter(jobs)
@@ -242,7 +257,8 @@ def plan(s: Snapshot) -> Plan:
     first = [it for it in expired if it[0] in (ItemKind.GEN, ItemKind.CONT, ItemKind.EVAL)]
     expired_evals = {(it[1], it[2]) for it in first if it[0] == ItemKind.EVAL}
     evals = [(ItemKind.EVAL, j.id, v) for j in s.jobs for v in j.need_eval if (j.id, v) not in expired_evals]
-    todo = itertools.chain(first, _groups_in_order(s.jobs, evals))  # lazy: read only what fits
+    ahead = not just_in_time(s.jobs, s.jit_jobs)
+    todo = itertools.chain(first, _groups_in_order(s.jobs, evals, ahead))  # lazy: read only what fits
 
     free = max(0, s.gen_capacity - s.gen_inflight)
     it = next(todo, None) if free else None

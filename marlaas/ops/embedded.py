@@ -120,19 +120,41 @@ def _recorded_url() -> str | None:
     return f.read_text().strip() if f.is_file() else None
 
 
-def wait_for_redis(url: str, timeout: float = 30.0) -> None:
+def wait_for_redis(url: str, timeout: float = 30.0, progress=None, load_timeout: float = 3600.0) -> None:
+    """Block until Redis answers PING. A server still loading its data (a large store replays its
+    append-only file: minutes for gigabytes) is waited for up to `load_timeout`, with its load
+    percentage shown every 10 s through `progress` (default: stderr); errors name the URL without
+    its password."""
     import redis
 
-    deadline = time.time() + timeout
-    r = redis.Redis.from_url(url, socket_connect_timeout=1)
-    while time.time() < deadline:
+    say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    start = time.time()
+    r = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=5)
+    shown, loading = 0.0, False
+    while True:
         try:
             if r.ping():
                 return
-        except redis.ConnectionError:
+        except redis.BusyLoadingError:
+            loading = True
+            if time.time() - shown >= 10.0:
+                shown = time.time()
+                say(f"Redis at {redact(url)} is loading its data ({_load_percent(r)}), "
+                    f"{time.time() - start:.0f} s so far")
+        except (redis.ConnectionError, redis.TimeoutError):
             pass
+        waited = time.time() - start
+        if waited > (load_timeout if loading else timeout):
+            what = "finish loading its data" if loading else "come up"
+            raise MarlaasError(f"Redis at {redact(url)} did not {what} within {waited:.0f} s")
         time.sleep(0.1)
-    raise MarlaasError(f"Redis at {url} did not come up within {timeout:.0f} s")
+
+
+def _load_percent(r) -> str:
+    try:
+        return f"{float(r.info('persistence').get('loading_loaded_perc', 0.0)):.0f}%"
+    except Exception:  # noqa: BLE001 - progress text only
+        return "?%"
 
 
 def wait_for_workers(store, stations=("generate", "verify", "train", "control"), timeout=180.0,

@@ -202,3 +202,54 @@ def test_lane_weights_split_a_tenants_weight_over_its_training_jobs():
     # a: 2 jobs still training (j3 is done) -> 1/2 each; b: 3; c: 2/4 each
     assert lane_weights(jobs) == {"j1": 0.5, "j2": 0.5, "j3": 0.5, "j4": 3.0, "j5": 0.5, "j6": 0.5, "j7": 0.5,
                                   "j8": 0.5}
+
+
+def test_just_in_time_generates_only_next_steps_from_jit_jobs_training():
+    """gen_jit_jobs: with at least that many jobs training, only the groups each job's next step
+    needs are generated (staleness 0); with fewer, groups ahead within the bound as before."""
+    two = (job("j1", staleness=2, groups_per_step=2), job("j2", staleness=2, groups_per_step=2))
+    assert plan(Snapshot(jobs=two, gen_capacity=1, batch_rows=1000)).dispatched == {"j1": 6, "j2": 6}  # off
+    jit = plan(Snapshot(jobs=two, gen_capacity=1, batch_rows=1000, jit_jobs=2))
+    assert jit.gen_batches == [[("gen", "j1", 0), ("gen", "j1", 1), ("gen", "j2", 0), ("gen", "j2", 1)]]
+    assert plan(Snapshot(jobs=two, gen_capacity=1, batch_rows=1000, jit_jobs=3)).dispatched == {"j1": 6, "j2": 6}
+    # a job whose training is over does not count: one job training left, so it pipelines again
+    over = (job("j1", staleness=2, groups_per_step=2, version=1, dispatched=2),
+            job("j2", staleness=2, groups_per_step=2, version=10, steps=10, dispatched=20))
+    assert plan(Snapshot(jobs=over, gen_capacity=1, batch_rows=1000, jit_jobs=2)).dispatched == {"j1": 8}
+    # a job whose next step is out already gets nothing new; evaluations still go
+    out = (job("j1", groups_per_step=2, dispatched=2, need_eval=(0,), eval_rows=4), job("j2", groups_per_step=2))
+    p = plan(Snapshot(jobs=out, gen_capacity=1, batch_rows=1000, jit_jobs=2))
+    assert p.gen_batches == [[("gen", "j2", 0), ("gen", "j2", 1), ("eval", "j1", 0)]] and p.dispatched == {"j2": 2}
+
+
+def test_just_in_time_trains_every_group_at_staleness_0():
+    """The randomised simulation above with jit_jobs = 2 on two jobs at staleness 2: every trained
+    group was sampled at the version it trains at."""
+    rng = random.Random(7)
+    P, steps = 3, 8
+    jobs = {"j1": dict(version=0, dispatched=0), "j2": dict(version=0, dispatched=0)}
+    pending, sampled, seen = [], {}, []
+    for _ in range(5000):
+        snap = Snapshot(jobs=tuple(job(j, staleness=2, groups_per_step=P, steps=steps, **st,
+                                       ready=all((j, g) in sampled for g in step_groups(st["version"], P)))
+                                   for j, st in jobs.items()), gen_capacity=2, batch_rows=rng.choice([8, 24]),
+                        jit_jobs=2)
+        p = plan(snap)
+        pending += [(it[1], it[2]) for b in p.gen_batches for it in b]
+        for j, d in p.dispatched.items():
+            jobs[j]["dispatched"] = d
+        rng.shuffle(pending)
+        for _ in range(rng.randint(0, len(pending))):
+            j, g = pending.pop()
+            sampled[(j, g)] = jobs[j]["version"]
+        if p.train:
+            j, t = p.train
+            both = all(st["version"] < steps for st in jobs.values())
+            seen += [(both, t - sampled[(j, g)]) for g in step_groups(t, P)]
+            jobs[j]["version"] += 1
+        if all(st["version"] == steps for st in jobs.values()):
+            break
+    assert all(st["version"] == steps for st in jobs.values()) and len(seen) == 2 * steps * P
+    # while both train, every group at staleness 0; the job left alone at the end pipelines (<= 2)
+    assert {s for both, s in seen if both} == {0} and max(s for _, s in seen) <= 2
+    assert sum(both for both, _ in seen) >= steps * P
