@@ -84,3 +84,13 @@ def one_line(what: BaseException | str, limit: int = 300, typed: bool = False) -
     else:
         text = " ".join(str(what).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def redact_url(url: str) -> str:
+    """A URL safe to print, log or put in an error: its password replaced by ***."""
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    if not u.password:
+        return url
+    return u._replace(netloc=u.netloc.replace(f":{u.password}@", ":***@", 1)).geturl()

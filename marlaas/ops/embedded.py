@@ -25,6 +25,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from marlaas.errors import MarlaasError
+from marlaas.errors import redact_url as redact
 from marlaas.settings import get_settings
 
 ROOT = Path(__file__).resolve().parents[2]  # the source checkout: marlaas/ops/embedded.py
@@ -364,14 +365,6 @@ def wait_for_api(url: str, timeout: float = 60.0) -> None:
             pass  # not listening yet
         time.sleep(0.2)
     raise MarlaasError(f"the API at {url} did not come up within {timeout:.0f} s (see the api log)")
-
-
-def redact(url: str) -> str:
-    """A URL safe to print or log: its password replaced by ***."""
-    u = urlparse(url)
-    if not u.password:
-        return url
-    return u._replace(netloc=u.netloc.replace(f":{u.password}@", ":***@", 1)).geturl()
 
 
 def flower_auth() -> str:

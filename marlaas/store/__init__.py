@@ -54,7 +54,7 @@ from functools import lru_cache
 
 import redis
 
-from marlaas.errors import StoreUnavailable
+from marlaas.errors import StoreUnavailable, redact_url
 from marlaas.settings import get_settings
 from marlaas.store import scripts
 from marlaas.store.hygiene import HygieneOps
@@ -151,5 +151,5 @@ class Store(JobOps, WorkOps, LaneOps, TenantOps, ObserveOps, HygieneOps, Verifie
 
     def check(self) -> None:
         if not self.ping():
-            raise StoreUnavailable(f"Redis at {self.url} does not answer: is the stack up (`marlaas up`)?")
+            raise StoreUnavailable(f"Redis at {redact_url(self.url)} does not answer: is the stack up (`marlaas up`)?")
 
