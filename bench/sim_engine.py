@@ -55,6 +55,7 @@ class Cluster:
     train_lanes: int = 1
     batch_rows: int = 256
     inflight_per_worker: int = 2
+    jit_jobs: int = 0  # MARLAAS_GEN_JIT_JOBS
     shared: dict[str, float] = field(default_factory=dict)
     """resource name -> capacity (processor sharing)"""
     placement: dict[str, str] = field(default_factory=dict)
@@ -173,7 +174,7 @@ class Sim:
         return scheduler.Snapshot(jobs=jobs, gen_inflight=self.gen_inflight,
                                   gen_capacity=self.c.inflight_per_worker * self.c.gen_workers,
                                   batch_rows=self.c.batch_rows, trainer_free=self.lanes_taken < self.c.train_lanes,
-                                  min_batch_rows=int(self.c.min_fill * self.c.batch_rows))
+                                  min_batch_rows=int(self.c.min_fill * self.c.batch_rows), jit_jobs=self.c.jit_jobs)
 
     def tick(self) -> None:
         gen_free = self.gen_inflight < self.c.inflight_per_worker * self.c.gen_workers

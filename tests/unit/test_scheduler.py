@@ -253,3 +253,15 @@ def test_just_in_time_trains_every_group_at_staleness_0():
     # while both train, every group at staleness 0; the job left alone at the end pipelines (<= 2)
     assert {s for both, s in seen if both} == {0} and max(s for _, s in seen) <= 2
     assert sum(both for both, _ in seen) >= steps * P
+
+
+def test_just_in_time_and_min_fill_exclude_each_other(monkeypatch):
+    from pydantic import ValidationError
+
+    from marlaas.settings import Settings
+
+    monkeypatch.setenv("MARLAAS_GEN_JIT_JOBS", "2")
+    assert Settings().gen_jit_jobs == 2 and Settings().gen_min_fill == 0.0
+    monkeypatch.setenv("MARLAAS_GEN_MIN_FILL", "0.9")
+    with pytest.raises(ValidationError, match="MARLAAS_GEN_JIT_JOBS and MARLAAS_GEN_MIN_FILL exclude each other"):
+        Settings()
