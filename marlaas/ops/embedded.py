@@ -136,13 +136,14 @@ def wait_for_redis(url: str, timeout: float = 30.0, progress=None, load_timeout:
         try:
             if r.ping():
                 return
-        except redis.BusyLoadingError:
+        except (redis.BusyLoadingError, redis.TimeoutError) as e:
+            # LOADING, or no answer for 5 s: a server replaying a large file answers only between chunks
             loading = True
             if time.time() - shown >= 10.0:
                 shown = time.time()
-                say(f"Redis at {redact(url)} is loading its data ({_load_percent(r)}), "
-                    f"{time.time() - start:.0f} s so far")
-        except (redis.ConnectionError, redis.TimeoutError):
+                state = _load_percent(r) if isinstance(e, redis.BusyLoadingError) else "not answering yet"
+                say(f"Redis at {redact(url)} is loading its data ({state}), {time.time() - start:.0f} s so far")
+        except redis.ConnectionError:
             pass
         waited = time.time() - start
         if waited > (load_timeout if loading else timeout):
