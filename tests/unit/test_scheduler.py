@@ -115,15 +115,14 @@ def test_next_steps_groups_then_evaluations_then_the_rest():
     assert p.dispatched == {"j1": 4, "j2": 4}
 
 
-@pytest.mark.parametrize("staleness", [0, 1, 2, 4])
-def test_simulated_asynchrony_never_breaks_staleness(staleness):
-    """Random completion order and random version at generation time: every trained group obeys the bound."""
-    rng = random.Random(staleness)
-    P, steps = 3, 12
+def _simulate(rng, staleness: int, P: int, steps: int, rows: list[int], gen_capacity: int = 1, jit_jobs: int = 0):
+    """Two jobs through `plan` with random completion order and a random version at generation time.
+    Returns (both jobs reached `steps`, [(both still training, trained version, sampled version)] per
+    trained group)."""
     jobs = {"j1": dict(version=0, dispatched=0), "j2": dict(version=0, dispatched=0)}
     pending: list[tuple[str, int]] = []  # dispatched, not generated yet
     sampled: dict[tuple[str, int], int] = {}
-    trained_staleness = []
+    trained = []
     for _ in range(5000):
         snap = Snapshot(
             jobs=tuple(
@@ -131,8 +130,9 @@ def test_simulated_asynchrony_never_breaks_staleness(staleness):
                     ready=all((j, g) in sampled for g in step_groups(st["version"], P)))
                 for j, st in jobs.items()
             ),
-            gen_capacity=1,
-            batch_rows=rng.choice([8, 24, 64]),
+            gen_capacity=gen_capacity,
+            batch_rows=rng.choice(rows),
+            jit_jobs=jit_jobs,
         )
         p = plan(snap)
         for b in p.gen_batches:
@@ -146,13 +146,21 @@ def test_simulated_asynchrony_never_breaks_staleness(staleness):
             sampled[(j, g)] = jobs[j]["version"]
         if p.train:
             j, t = p.train
-            for g in step_groups(t, P):
-                trained_staleness.append(t - sampled[(j, g)])
-                assert within_staleness(t, sampled[(j, g)], staleness)
+            both = all(st["version"] < steps for st in jobs.values())
+            trained += [(both, t, sampled[(j, g)]) for g in step_groups(t, P)]
             jobs[j]["version"] += 1
         if all(st["version"] == steps for st in jobs.values()):
             break
-    assert all(st["version"] == steps for st in jobs.values())
+    return all(st["version"] == steps for st in jobs.values()), trained
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2, 4])
+def test_simulated_asynchrony_never_breaks_staleness(staleness):
+    """Random completion order and random version at generation time: every trained group obeys the bound."""
+    done, trained = _simulate(random.Random(staleness), staleness, 3, 12, [8, 24, 64])
+    assert done
+    assert all(within_staleness(t, v, staleness) for _, t, v in trained)
+    trained_staleness = [t - v for _, t, v in trained]
     assert max(trained_staleness) <= staleness
     if staleness > 0:
         assert max(trained_staleness) >= 1  # asynchrony actually happened
@@ -225,31 +233,10 @@ def test_just_in_time_generates_only_next_steps_from_jit_jobs_training():
 def test_just_in_time_trains_every_group_at_staleness_0():
     """The randomised simulation above with jit_jobs = 2 on two jobs at staleness 2: every trained
     group was sampled at the version it trains at."""
-    rng = random.Random(7)
     P, steps = 3, 8
-    jobs = {"j1": dict(version=0, dispatched=0), "j2": dict(version=0, dispatched=0)}
-    pending, sampled, seen = [], {}, []
-    for _ in range(5000):
-        snap = Snapshot(jobs=tuple(job(j, staleness=2, groups_per_step=P, steps=steps, **st,
-                                       ready=all((j, g) in sampled for g in step_groups(st["version"], P)))
-                                   for j, st in jobs.items()), gen_capacity=2, batch_rows=rng.choice([8, 24]),
-                        jit_jobs=2)
-        p = plan(snap)
-        pending += [(it[1], it[2]) for b in p.gen_batches for it in b]
-        for j, d in p.dispatched.items():
-            jobs[j]["dispatched"] = d
-        rng.shuffle(pending)
-        for _ in range(rng.randint(0, len(pending))):
-            j, g = pending.pop()
-            sampled[(j, g)] = jobs[j]["version"]
-        if p.train:
-            j, t = p.train
-            both = all(st["version"] < steps for st in jobs.values())
-            seen += [(both, t - sampled[(j, g)]) for g in step_groups(t, P)]
-            jobs[j]["version"] += 1
-        if all(st["version"] == steps for st in jobs.values()):
-            break
-    assert all(st["version"] == steps for st in jobs.values()) and len(seen) == 2 * steps * P
+    done, trained = _simulate(random.Random(7), 2, P, steps, [8, 24], gen_capacity=2, jit_jobs=2)
+    seen = [(both, t - v) for both, t, v in trained]
+    assert done and len(seen) == 2 * steps * P
     # while both train, every group at staleness 0; the job left alone at the end pipelines (<= 2)
     assert {s for both, s in seen if both} == {0} and max(s for _, s in seen) <= 2
     assert sum(both for both, _ in seen) >= steps * P
