@@ -7,6 +7,7 @@ nothing is stored. Everything downstream (scheduler, engines) trusts a validated
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -19,11 +20,30 @@ from pydantic import (
     model_validator,
 )
 
-from marlaas.api.datasets_io import format_error
 from marlaas.errors import SpecError
 from marlaas.verify.graders import Grader
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# The data files a spec may name, by suffix (marlaas.api.datasets_io reads them).
+DATA_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+
+
+def format_error(path: str | Path, what: str = "dataset") -> str | None:
+    """Why a path cannot be a data source (one line), or None when its kind is known."""
+    if not str(path).strip():
+        return f"{what} path is empty"
+    p = Path(path)
+    if p.is_dir():
+        if (p / "state.json").is_file() or (p / "dataset_dict.json").is_file():
+            return None
+        return (f"{what} {p.name or path}: a directory, but not one written by datasets' save_to_disk "
+                "(no state.json or dataset_dict.json)")
+    if not p.is_file():
+        return f"{what} file not found: {str(path)!r}"
+    if p.suffix.lower() not in DATA_SUFFIXES:
+        return (f"{what} {p.name}: unknown format {p.suffix or '(no extension)'!r}; give a .jsonl or "
+                ".parquet file or a directory written by datasets' save_to_disk")
+    return None
 
 
 class LoraSpec(BaseModel):
@@ -280,7 +300,7 @@ class JobSpec(BaseModel):
     def _task_or_dataset(self) -> JobSpec:
         from marlaas import families
         from marlaas.verify import reasoning_gym
-        from marlaas.verify.graders import check_spec_verifier
+        from marlaas.verify.boundary import check_spec_verifier
 
         if (self.task is None) == (self.dataset is None):
             raise ValueError("give exactly one of 'task' (a built-in family) or 'dataset'")

@@ -1,11 +1,12 @@
 """Admission: what happens to a job spec between a tenant and the store.
 
-`admit(store, tenant, spec)` is the whole path, in this order: make room in the store (`make_room`),
+`admit(store, tenant, spec, limits)` is the whole path, in this order: make room in the store (`make_room`),
 parse and validate the spec, check it against the tenant's quotas, check the base model and LoRA
 rank against the deployment, build and split the rows (a built-in task's or the tenant's dataset),
 render prompts with the base's chat template, check every prompt fits the base's context, then
 store the job. Every refusal is one
-`MarlaasError` line and stores nothing.
+`MarlaasError` line and stores nothing. Settings are not read here: the caller's process edge passes
+its `access.Limits` down; the largest LoRA rank is `access.max_lora_rank`'s, as for the Tinker door.
 """
 
 from __future__ import annotations
@@ -22,18 +23,17 @@ from marlaas.errors import BaseModelError, SpecError, StoreFull
 from marlaas.settings import get_settings
 from marlaas.spec import JobSpec, parse_spec
 from marlaas.store import Store
-from marlaas.verify.graders import check_submit as check_verifiers
+from marlaas.verify.boundary import check_submit as check_verifiers
 
 _TOKENIZER = threading.Lock()  # the API serves requests on a thread pool
 PRESSURE_ROUNDS, PRESSURE_BATCH = 10, 20  # at most 200 ended jobs collected for one submit
 
 
-def make_room(store: Store) -> None:
+def make_room(store: Store, share: float) -> None:
     """StoreFull unless the store is below its admission share. Over it, ended jobs' bulk data
     (intermediate adapters, optimizer state, rows, rollouts: `Store.collect_garbage`) is collected
     first, before its retention period, oldest ended first: new work goes before the leftovers of old
     jobs. Their records, metrics, evaluations and downloadable adapters stay."""
-    share = get_settings().admission_memory_fraction
     over, used, cap = store.over_share(share)
     for _ in range(PRESSURE_ROUNDS):
         if not over or not store.collect_garbage(time.time(), 0.0, limit=PRESSURE_BATCH):
@@ -49,13 +49,11 @@ def admit(store: Store, tenant: str | None, spec: JobSpec | dict) -> str:
     """Validate a tenant's job and store it; returns the job id."""
     make_room(store)
     spec = tenancy.check_submit(store, tenant, parse_spec(spec))
-    check_verifiers(store, tenant, spec)  # registered names only, for tenants
+    check_verifiers(store, tenant, spec.grader, spec.verifier)  # registered names only, for tenants
     dep = store.deployment()
     if spec.base_model and dep.get("base_name") and spec.base_model not in (dep["base_name"], dep.get("base")):
         raise BaseModelError(f"this deployment serves base {dep['base_name']!r}, not {spec.base_model!r}")
-    max_rank = int(dep.get("max_lora_rank") or get_settings().max_lora_rank)
-    if spec.lora.rank > max_rank:
-        raise SpecError(f"invalid job spec: lora.rank: {spec.lora.rank} exceeds the maximum {max_rank}")
+    access.check_lora_rank(store, spec.lora.rank, limits.max_lora_rank)
     train, held = job_rows(spec)
     with _TOKENIZER:  # one base tokenizer per process; HF tokenizers refuse concurrent use ("Already borrowed")
         train, held, how = _chat_template(dep.get("base"), spec, train, held)

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marlaas.errors import SpecError
+from marlaas.spec import DATA_SUFFIXES as SUFFIXES
+from marlaas.spec import format_error
 
-SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 TRAIN_SPLITS = ("train",)
 EVAL_SPLITS = ("test", "validation")
 RESERVED = ("prompt", "answer", "tests", "raw_prompt")
@@ -46,24 +47,6 @@ class Fields:
     prompt: str = "prompt"
     answer: str = "answer"
     tests: str = "tests"
-
-
-def format_error(path: str | Path, what: str = "dataset") -> str | None:
-    """Why a path cannot be a data source (one line), or None when its kind is known."""
-    if not str(path).strip():
-        return f"{what} path is empty"
-    p = Path(path)
-    if p.is_dir():
-        if (p / "state.json").is_file() or (p / "dataset_dict.json").is_file():
-            return None
-        return (f"{what} {p.name or path}: a directory, but not one written by datasets' save_to_disk "
-                "(no state.json or dataset_dict.json)")
-    if not p.is_file():
-        return f"{what} file not found: {str(path)!r}"
-    if p.suffix.lower() not in SUFFIXES:
-        return (f"{what} {p.name}: unknown format {p.suffix or '(no extension)'!r}; give a .jsonl or "
-                ".parquet file or a directory written by datasets' save_to_disk")
-    return None
 
 
 def read_records(src: list[dict] | str, what: str = "dataset", split: str | None = None,

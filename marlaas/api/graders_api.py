@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from marlaas.api.service import Principal
 from marlaas.errors import Forbidden, NotFound, SpecError, VerifierError
+from marlaas.verify import boundary
 from marlaas.verify import graders as g
 
 
@@ -79,8 +80,7 @@ class VerifierIn(BaseModel):
 
 def _checked(service, principal: Principal, data: dict) -> Any:
     grader = g.parse_grader(data)
-    spec_like = type("SpecLike", (), {"grader": grader, "verifier": None})()
-    g.check_submit(service.store, principal.tenant, spec_like)
+    boundary.check_submit(service.store, principal.tenant, grader, None)
     return grader
 
 
@@ -126,7 +126,7 @@ def graders_router(caller) -> APIRouter:
         if not p.operator:
             raise Forbidden("only the operator credential can register verifiers")
         try:
-            g.register(request.app.state.service.store, name, body.path)
+            boundary.register(request.app.state.service.store, name, body.path)
         except VerifierError as e:
             raise SpecError(str(e)) from None
         return {"name": name, "path": body.path}

@@ -1,7 +1,7 @@
 """The store's registry of operator-registered verifiers: name -> "package.module:function".
 
 Key (part of the store schema): `m:verifiers`, a hash name -> import path. Empty by default: no
-custom verifier exists until the operator registers one (`marlaas.verify.graders.register`).
+custom verifier exists until the operator registers one (`marlaas.verify.boundary.register`).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def main() -> None:
     req = json.loads(sys.stdin.read())
     from marlaas.verify import reasoning_gym
 
-    reasoning_gym._registry()  # the library's own memory is not the dataset's
+    reasoning_gym.registry()  # the library's own memory is not the dataset's
     before = _rss_mb()
     try:
         train, held = reasoning_gym.make_split(req["name"], req["config"], req["seed"], req["n_train"], req["n_held"])

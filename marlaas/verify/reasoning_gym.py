@@ -64,7 +64,8 @@ def is_task(task: object) -> bool:
     return isinstance(task, str) and task.startswith(PREFIX)
 
 
-def _registry() -> dict:
+def registry() -> dict:
+    """reasoning-gym's registered datasets: {name: (dataset class, config class)}."""
     import reasoning_gym  # noqa: F401  (registers every dataset)
     from reasoning_gym.factory import DATASETS
 
@@ -72,7 +73,7 @@ def _registry() -> dict:
 
 
 def _check_name(name: str) -> None:
-    names = _registry()
+    names = registry()
     if name not in names:
         close = difflib.get_close_matches(name, list(names), n=3)
         hint = f"did you mean {', '.join(close)}? " if close else ""
@@ -103,7 +104,7 @@ def parse_task(task: str, config: dict | None = None) -> tuple[str, dict]:
 def _check_config(name: str, config: dict) -> None:
     """The config's keys and values, by its own dataclass and validate(); no dataset is built here (its
     cost is the config's: rows are made under limits by `rg_guard.make_split_bounded`)."""
-    _, config_cls = _registry()[name]
+    _, config_cls = registry()[name]
     try:
         cfg = config_cls(**json.loads(_config_json(config)), seed=0, size=1)
         if hasattr(cfg, "validate"):

@@ -1,9 +1,9 @@
 """Operator-registered custom verifiers: names tenants may use, each bound to ONE trusted function.
 
 A custom verifier is operator code imported in the verify worker, so tenants never name code: the
-operator registers `name -> "package.module:function"` (`marlaas.verify.graders.register`, stored in
+operator registers `name -> "package.module:function"` (`marlaas.verify.boundary.register`, stored in
 the Store's registry, empty by default) and a tenant's job names only `name` (in `JobSpec.verifier`
-or a `builtin` grader; `marlaas.verify.graders.check_submit` at admission).
+or a `builtin` grader; `marlaas.verify.boundary.check_submit` at admission).
 
 Invariants of an import path, checked at registration and again at every import:
 

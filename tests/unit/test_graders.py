@@ -11,7 +11,8 @@ import pytest
 from marlaas.errors import SpecError, VerifierError
 from marlaas.spec import parse_spec
 from marlaas.verify import formula
-from marlaas.verify.graders import MAX_TEXT, check_spec_verifier, grade_group, parse_grader, render
+from marlaas.verify.boundary import check_spec_verifier
+from marlaas.verify.graders import MAX_TEXT, grade_group, parse_grader, render
 from marlaas.verify.registry import check_path, import_function
 from marlaas.verify.verifiers import check_verifier_name
 

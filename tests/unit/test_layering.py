@@ -144,7 +144,6 @@ THIRD_PARTY_PRIVATE = {
     "_disable_adapters": "peft LoRA layers' disable flag (the stacked multi-LoRA layer mirrors it)",
     "_forward_pre_hooks": "torch hooks left by a failed peft generate (removed to recover)",
     "_forward_pre_hooks_with_kwargs": "torch hooks left by a failed peft generate (removed to recover)",
-    "_registry": "reasoning_gym's task registry (no public listing of dataset classes)",
 }
 
 
