@@ -18,7 +18,7 @@ NOT_CALLABLE = 3
 
 
 def my_verifier(completion: str, row: dict) -> float:
-    """A custom verifier referred to as 'tests.test_rewards:my_verifier'."""
+    """A custom verifier referred to as 'tests.test_verifiers:my_verifier'."""
     return 0.5 if completion == row["answer"] else 0.0
 
 
@@ -114,13 +114,13 @@ def test_code_sandbox_failure_is_counted_not_raised(monkeypatch):
 
 
 def test_custom_verifier_by_import_path():
-    check_verifier_name("tests.unit.test_rewards:my_verifier")
-    assert score_group("tests.unit.test_rewards:my_verifier", {"answer": "a"}, ["a", "b"]).rewards == [0.5, 0.0]
-    assert score_group("tests.unit.test_rewards:bool_verifier", {}, ["yes", "no"]).rewards == [1.0, 0.0]
+    check_verifier_name("tests.unit.test_verifiers:my_verifier")
+    assert score_group("tests.unit.test_verifiers:my_verifier", {"answer": "a"}, ["a", "b"]).rewards == [0.5, 0.0]
+    assert score_group("tests.unit.test_verifiers:bool_verifier", {}, ["yes", "no"]).rewards == [1.0, 0.0]
 
 
 def test_raising_custom_verifier_scores_zero_and_counts():
-    score = score_group("tests.unit.test_rewards:raising_verifier", {}, ["ok", "boom", "boom", "fine"])
+    score = score_group("tests.unit.test_verifiers:raising_verifier", {}, ["ok", "boom", "boom", "fine"])
     assert score.rewards == [1.0, 0.0, 0.0, 1.0]
     assert score.errors == 2
     assert score.error == "RuntimeError: verifier blew up on two lines"
@@ -131,13 +131,13 @@ def test_raising_custom_verifier_scores_zero_and_counts():
     [
         ("nope", "unknown verifier"),
         ("", "unknown verifier"),
-        ("tests.unit.test_rewards", "unknown verifier"),
+        ("tests.unit.test_verifiers", "unknown verifier"),
         ("builtins:eval", "standard-library"),
         ("os:system", "standard-library"),
         ("tests.no_such_module:f", "cannot import"),
-        ("tests.unit.test_rewards:missing", "no attribute"),
-        ("tests.unit.test_rewards:NOT_CALLABLE", "not a Python function"),
-        ("tests.unit.test_rewards:one_arg", "must accept"),
+        ("tests.unit.test_verifiers:missing", "no attribute"),
+        ("tests.unit.test_verifiers:NOT_CALLABLE", "not a Python function"),
+        ("tests.unit.test_verifiers:one_arg", "must accept"),
     ],
 )
 def test_unknown_verifiers_raise_one_line(name, message):
@@ -151,9 +151,9 @@ def test_unknown_verifiers_raise_one_line(name, message):
 def test_allow_list_of_custom_modules(monkeypatch):
     monkeypatch.setenv("MARLAAS_VERIFIER_MODULES", "myorg.rewards, other")
     with pytest.raises(VerifierError, match="MARLAAS_VERIFIER_MODULES"):
-        check_verifier_name("tests.unit.test_rewards:bool_verifier")
+        check_verifier_name("tests.unit.test_verifiers:bool_verifier")
     monkeypatch.setenv("MARLAAS_VERIFIER_MODULES", "tests")
-    check_verifier_name("tests.unit.test_rewards:raising_verifier")
+    check_verifier_name("tests.unit.test_verifiers:raising_verifier")
 
 
 def test_builtin_names_are_cheap():
