@@ -41,7 +41,7 @@ class Settings(BaseSettings):
     base_preset: Literal["default", "test"] = "default"
     """Size of the tiny base model built when none exists."""
     engine: Literal["hf", "vllm"] = "hf"
-    """Generation engine. On the 2-core CPU default, PEFT measured faster than vLLM's CPU LoRA path."""
+    """Generation engine: 'hf' (transformers + PEFT, the CPU default; docs/performance.md says why) or 'vllm'."""
     threads: int = Field(1, ge=1, le=256)
     """Torch / OpenMP threads per engine process (several processes share the cores)."""
     device: str = "auto"
