@@ -6,7 +6,7 @@
 #   - a Python 3.10+ with torch built for CUDA, transformers (with Qwen2) and peft importable.
 #     The project's other dependencies (pydantic, celery, redis, ...) are NOT needed: the script
 #     builds a random ~100M-parameter Qwen2 model from a config (hidden 768, 12 layers, 12 heads /
-#     4 KV heads, MLP 2048, vocab 32000; bf16) and loads marlaas/engines/routing.py by file path.
+#     4 KV heads, MLP 2048, vocab 32000; bf16) and loads marlaas/train/routing.py by file path.
 #   - about 20 GiB of GPU memory and a few GiB of disk for nothing but the JSON output.
 #
 # What it measures (details in bench/gpu_check.py's docstring): decode ms/step against batch
