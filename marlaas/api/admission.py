@@ -17,10 +17,9 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
-from marlaas.api import tenancy
+from marlaas.api import access, tenancy
 from marlaas.api.rows import job_rows
 from marlaas.errors import BaseModelError, SpecError, StoreFull
-from marlaas.settings import get_settings
 from marlaas.spec import JobSpec, parse_spec
 from marlaas.store import Store
 from marlaas.verify.boundary import check_submit as check_verifiers
@@ -45,9 +44,9 @@ def make_room(store: Store, share: float) -> None:
                         "try again later")
 
 
-def admit(store: Store, tenant: str | None, spec: JobSpec | dict) -> str:
+def admit(store: Store, tenant: str | None, spec: JobSpec | dict, limits: access.Limits) -> str:
     """Validate a tenant's job and store it; returns the job id."""
-    make_room(store)
+    make_room(store, limits.admission_memory_fraction)
     spec = tenancy.check_submit(store, tenant, parse_spec(spec))
     check_verifiers(store, tenant, spec.grader, spec.verifier)  # registered names only, for tenants
     dep = store.deployment()

@@ -8,6 +8,8 @@
 
 Submitting validates the spec and the rows before anything is stored: an invalid job raises one
 clear `MarlaasError` and leaves no trace. The scheduler picks a new job up on its next tick.
+Visibility, version bounds and deployment limits are `marlaas.api.access`'s, as over HTTP: another
+tenant's job (or listing) is simply not found. The client is a process edge: it reads the settings.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ import os
 import time
 from pathlib import Path
 
-from marlaas.api import admission, tenancy
+from marlaas.api import access, admission, tenancy
 from marlaas.api.http_client import progress_bar
-from marlaas.api.service import job_summary
-from marlaas.errors import Forbidden, MarlaasError, NotFound
+from marlaas.errors import MarlaasError
+from marlaas.settings import get_settings
 from marlaas.spec import JobSpec
-from marlaas.store import Store
-from marlaas.types import TERMINAL_STATUSES, AdapterRef
+from marlaas.store import JobRecord, Store
+from marlaas.types import TERMINAL_STATUSES
 
 
 class Client:
@@ -33,29 +35,23 @@ class Client:
         self.store.check()
         self.tenant = tenancy.resolve(self.store, token or os.environ.get("MARLAAS_TOKEN"))
         """The caller's tenant; None in the single-user default (no tenants registered)."""
+        self.limits = access.Limits.from_settings(get_settings())
 
     def submit(self, spec: JobSpec | dict) -> Job:
         """Validate and enqueue a job; returns its handle."""
-        return Job(self, admission.admit(self.store, self.tenant, spec))
+        return Job(self, admission.admit(self.store, self.tenant, spec, self.limits))
 
     def job(self, job_id: str) -> Job:
         self.record(job_id)
         return Job(self, job_id)
 
     def jobs(self, tenant: str | None = None) -> list[Job]:
-        """The caller's jobs (with a token: only its own tenant's)."""
-        if self.tenant is not None:
-            if tenant not in (None, self.tenant):
-                raise Forbidden(f"a token of tenant {self.tenant!r} cannot list tenant {tenant!r}")
-            tenant = self.tenant
-        return [Job(self, j) for j in self.store.job_ids(tenant)]
+        """The caller's jobs (with a token: only its own tenant's; another tenant is not found)."""
+        return [Job(self, j) for j in access.job_ids(self.store, self.tenant, tenant)]
 
-    def record(self, job_id: str):
+    def record(self, job_id: str) -> JobRecord:
         """The job's record if the caller may see it; another tenant's job is simply not found."""
-        rec = self.store.job(job_id)
-        if self.tenant is not None and rec.tenant != self.tenant:
-            raise NotFound(f"no job {job_id!r}")
-        return rec
+        return access.job(self.store, self.tenant, job_id)
 
 
 class Job:
@@ -75,7 +71,7 @@ class Job:
     def status(self) -> dict:
         """Progress in one dict: status, version/steps, last mean reward and staleness, accuracies
         (the API's job summary, with `job` for its id)."""
-        s = job_summary(self.store, self.client.record(self.id))
+        s = access.summary(self.store, self.client.record(self.id))
         s["job"] = s.pop("id")
         return s
 
@@ -99,9 +95,7 @@ class Job:
 
     def cancel(self) -> None:
         """Stop the job; work in flight for it is dropped."""
-        rec = self.client.record(self.id)
-        if rec.status not in TERMINAL_STATUSES:
-            self.store.set_status(self.id, "cancelled")
+        access.cancel(self.store, self.client.record(self.id))
 
     def metrics(self) -> dict:
         """Per-step training metrics and held-out evaluations by version: `evals[v]` holds acc
@@ -122,12 +116,6 @@ class Job:
         """Write a published adapter version (default: the newest) as a PEFT adapter directory."""
         from marlaas.adapters import write_adapter_dir
 
-        rec = self.client.record(self.id)
-        v = rec.version if version is None else version
-        if v == 0:
-            raise NotFound(f"job {self.id} has no trained adapter yet (version 0 is the base model itself)")
-        if v < 0 or v > rec.version:
-            raise NotFound(f"job {self.id} has versions 1..{rec.version}, not {v}")
-        blob = self.store.adapter(AdapterRef(self.id, v))
+        _, blob = access.adapter_blob(self.store, self.client.record(self.id), version)
         base = self.store.deployment().get("base")
         return write_adapter_dir(blob, out_dir, base_path=base)

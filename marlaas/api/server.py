@@ -42,6 +42,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from marlaas.api.access import Limits
 from marlaas.api.errors import status_of
 from marlaas.api.graders_api import graders_router
 from marlaas.api.service import Principal, Service
@@ -49,6 +50,7 @@ from marlaas.api.settings import ApiSettings
 from marlaas.api.tenancy import Quotas
 from marlaas.api.tinker.routes import tinker_router
 from marlaas.errors import MarlaasError, RateLimited, SpecError, TooLarge, Unauthorized
+from marlaas.settings import get_settings
 from marlaas.store import Store
 from marlaas.types import TERMINAL_STATUSES
 
@@ -331,7 +333,8 @@ def create_app(store_url: str | None = None, home: Path | None = None, *, open: 
     MARLAAS_API_OPEN) lets loopback requests without a token in while no tenant exists."""
     s = settings or ApiSettings()
     is_open = s.open if open is None else open
-    service = Service(Store(store_url), home, open_single_user=is_open)
+    service = Service(Store(store_url), home or get_settings().home, Limits.from_settings(get_settings()),
+                      open_single_user=is_open)
     limiter = RateLimiter(s.rate, s.burst)
     app = FastAPI(title="marlaas", version="0.1.0",
                   description="Multi-tenant asynchronous RL fine-tuning of LLMs with LoRA adapters.",

@@ -2,9 +2,10 @@
 
 Every operation takes the caller's `Principal` (from `Service.authenticate`) and enforces:
 
-- A tenant token sees and changes only its own tenant's jobs and files. Another tenant's job or file
-  is answered exactly as a missing one (`NotFound("no job 'j7'")`, `NotFound("no file 'file-...'")`),
-  so ids leak nothing.
+- A tenant token sees and changes only its own tenant's jobs and files. Another tenant's job, listing
+  or file is answered exactly as a missing one (`NotFound("no job 'j7'")`, `NotFound("no file
+  'file-...'")`), so ids leak nothing: the jobs' policy is `marlaas.api.access`, shared with the direct
+  client and the Tinker routes.
 - The operator credential (a random token in $MARLAAS_HOME/operator_token, mode 0600, made on first
   use) sees every job and is the only one that may add tenants.
 - With no tenant registered, a request without a token is the single user of the embedded default
@@ -28,19 +29,15 @@ A paused job still counts towards its tenant's active-job quota.
 from __future__ import annotations
 
 import hmac
-import io
 import os
 import re
 import secrets
 import stat
-import tarfile
-import tempfile
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
-from marlaas.adapters import CONFIG_NAME, WEIGHTS_NAME, write_adapter_dir
-from marlaas.api import admission, tenancy
+from marlaas.api import access, admission, tenancy
+from marlaas.api.access import Limits, Principal  # noqa: F401  (Principal re-exported)
 from marlaas.api.datasets_io import SUFFIXES, read_records
 from marlaas.control.scheduler import eval_versions
 from marlaas.errors import (
@@ -52,24 +49,12 @@ from marlaas.errors import (
     TooLarge,
     Unauthorized,
 )
-from marlaas.settings import get_settings
 from marlaas.store import KEEP_VERSIONS_EXTRA, JobRecord, Store
-from marlaas.types import ACTIVE_STATUSES, TERMINAL_STATUSES, AdapterRef, JobStatus
+from marlaas.types import ACTIVE_STATUSES, JobStatus
 from marlaas.verify.evaluation import table_row
 
 FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")
 OPERATOR_TOKEN_FILE = "operator_token"
-
-
-@dataclass(frozen=True)
-class Principal:
-    """Who is calling: a tenant (its token), the operator, or the open single user (tenant None)."""
-
-    tenant: str | None
-    operator: bool = False
-
-    def sees(self, rec: JobRecord) -> bool:
-        return self.tenant is None or rec.tenant == self.tenant
 
 
 def operator_token(home: Path) -> str:
@@ -96,9 +81,10 @@ def operator_token(home: Path) -> str:
 class Service:
     """The store as one caller may see it. Stateless but for the operator token; thread-safe."""
 
-    def __init__(self, store: Store, home: Path | None = None, open_single_user: bool = False):
+    def __init__(self, store: Store, home: Path, limits: Limits, open_single_user: bool = False):
         self.store = store
-        self.home = Path(home) if home is not None else get_settings().home
+        self.home = Path(home)
+        self.limits = limits
         self.files_dir = self.home / "files"
         self.open_single_user = open_single_user
         self._operator = operator_token(self.home)
@@ -127,14 +113,15 @@ class Service:
     # ---------------------------------------------------------------- jobs
     def record(self, principal: Principal, job_id: str) -> JobRecord:
         """The job if the caller may see it; another tenant's job is not found, with the same message."""
-        rec = self.store.job(job_id)  # NotFound(f"no job {job_id!r}")
-        if not principal.sees(rec):
-            raise NotFound(f"no job {job_id!r}")
-        return rec
+        return access.job(self.store, principal.tenant, job_id)
 
     def summary(self, rec: JobRecord) -> dict:
-        """Progress in one dict (`job_summary`)."""
-        return job_summary(self.store, rec)
+        """Progress in one dict (`access.summary`)."""
+        return access.summary(self.store, rec)
+
+    def max_lora_rank(self) -> int:
+        """The largest LoRA rank this deployment serves (`access.max_lora_rank`)."""
+        return access.max_lora_rank(self.store, self.limits.max_lora_rank)
 
     def submit(self, principal: Principal, spec_dict: dict) -> dict:
         """Validate and enqueue a job; returns its summary. Nothing is stored when it is refused."""
@@ -149,7 +136,7 @@ class Service:
                     raise SpecError(f"invalid job spec: {key}: give a list of rows or the id of a file uploaded "
                                     "with POST /v1/files (file-...), not a path")
                 spec_dict[key] = str(self._file_path(namespace, value))
-        jid = admission.admit(self.store, principal.tenant, spec_dict)  # the operator: no quotas
+        jid = admission.admit(self.store, principal.tenant, spec_dict, self.limits)  # the operator: no quotas
         return self.summary(self.store.job(jid))
 
     def get(self, principal: Principal, job_id: str) -> dict:
@@ -158,13 +145,8 @@ class Service:
     def list(self, principal: Principal, tenant: str | None = None, limit: int = 1000) -> list[dict]:
         """The caller's jobs, oldest first (at most `limit`, the newest ones); a tenant token asking for
         another tenant is answered as an unknown tenant."""
-        if principal.tenant is not None:
-            if tenant not in (None, principal.tenant):
-                raise NotFound(f"no tenant {tenant!r}")
-            tenant = principal.tenant
-        ids = self.store.job_ids(tenant)[-limit:] if limit > 0 else []
         out = []
-        for jid in ids:
+        for jid in access.job_ids(self.store, principal.tenant, tenant, limit):
             try:
                 out.append(self.summary(self.store.job(jid)))
             except NotFound:
@@ -173,9 +155,7 @@ class Service:
 
     def cancel(self, principal: Principal, job_id: str) -> dict:
         """Stop the job (work in flight is dropped); a job that already ended is left as it is."""
-        rec = self.record(principal, job_id)
-        if rec.status not in TERMINAL_STATUSES:
-            self.store.set_status(job_id, "cancelled")
+        access.cancel(self.store, self.record(principal, job_id))
         return self.get(principal, job_id)
 
     def pause(self, principal: Principal, job_id: str) -> dict:
@@ -243,20 +223,8 @@ class Service:
         """(version, tar.gz bytes) of a published adapter as a PEFT directory (adapter_config.json and
         adapter_model.safetensors at the archive's top level); default: the newest version."""
         rec = self.record(principal, job_id)
-        v = rec.version if version is None else version
-        if v == 0:
-            raise NotFound(f"job {job_id} has no trained adapter yet (version 0 is the base model itself)")
-        if v < 0 or v > rec.version:
-            raise NotFound(f"job {job_id} has versions 1..{rec.version}, not {v}")
-        blob = self.store.adapter(AdapterRef(job_id, v))
-        base = self.store.deployment().get("base")
-        buf = io.BytesIO()
-        with tempfile.TemporaryDirectory(prefix="marlaas-adapter-") as tmp:
-            out = write_adapter_dir(blob, Path(tmp) / "adapter", base_path=base)
-            with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-                for name in (CONFIG_NAME, WEIGHTS_NAME):
-                    tar.add(out / name, arcname=name)
-        return v, buf.getvalue()
+        v, blob = access.adapter_blob(self.store, rec, version)
+        return v, access.archive(blob, self.store.deployment().get("base"))
 
     # ---------------------------------------------------------------- files
     def put_file(self, tenant: str, stream: Iterable[bytes], limit: int, filename: str | None = None) -> str:
@@ -322,30 +290,3 @@ def _file_kind(filename: str | None, head: bytes) -> str:
         if suffix:
             raise SpecError(f"file {Path(filename).name}: unknown format {suffix!r}; upload .jsonl or .parquet")
     return "parquet" if head == b"PAR1" else "jsonl"
-
-def job_summary(store: Store, rec: JobRecord) -> dict:
-    """A job's progress in one dict: status, version/steps, last mean reward and staleness, base and
-    final accuracy, error counts, the error, created/updated times."""
-    last = store.last_metrics(rec.id) or {}
-    evals = store.evals(rec.id)
-    spec = rec.spec
-    return {
-        "id": rec.id,
-        "tenant": rec.tenant,
-        "task": spec.task or "dataset",
-        "status": rec.status,
-        "version": rec.version,
-        "steps": spec.steps,
-        "reward_mean": last.get("reward_mean"),
-        "staleness": max(last.get("staleness") or [0]),
-        "max_staleness": spec.max_staleness,
-        "base_acc": evals.get(0, {}).get("acc"),
-        "final_acc": evals.get(spec.steps, {}).get("acc"),
-        "regenerated": int(rec.extra.get("regenerated", 0)),
-        "verify_errors": int(rec.extra.get("verify_errors", 0)),
-        "tool_calls": int(rec.extra.get("tool_calls", 0)),
-        "tool_errors": int(rec.extra.get("tool_errors", 0)),
-        "error": rec.extra.get("error"),
-        "created": rec.created,
-        "updated": float(rec.extra.get("updated") or rec.created),
-    }

@@ -1,0 +1,172 @@
+"""The one access policy of every door (the direct `Client`, the HTTP `Service`, the Tinker routes).
+
+Invariants:
+- Visibility: a caller with a tenant sees only that tenant's jobs; another tenant's job, and a listing
+  of another tenant's jobs, is answered exactly as a missing one (`NotFound`, the same message), so
+  ids and tenant names leak nothing. A caller without a tenant (the operator, the single user of a
+  deployment without tenants) sees every job.
+- Versions: version 0 is the base model (no adapter); a version outside 1..job.version is NotFound.
+- Deployment limits come from one place: the deployment record the workers write from their settings
+  (`max_lora_rank`), else the value the process edge passed down (`Limits`), read from the same setting.
+- The operator credential cannot train through the Tinker door (Forbidden: it has no tenant).
+Pure policy over the store's records: no HTTP, no settings read here.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from marlaas.adapters import CONFIG_NAME, WEIGHTS_NAME, write_adapter_dir
+from marlaas.errors import Forbidden, NotFound, SpecError
+from marlaas.settings import Settings
+from marlaas.store import JobRecord, Store
+from marlaas.types import TERMINAL_STATUSES, AdapterRef
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a tenant (its token), the operator, or the open single user (tenant None)."""
+
+    tenant: str | None
+    operator: bool = False
+
+    def sees(self, rec: JobRecord) -> bool:
+        return visible(self.tenant, rec)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Deployment limits read at a process edge (settings) and passed down to admission and the API."""
+
+    max_lora_rank: int
+    """Largest LoRA rank when the deployment record has none yet (MARLAAS_MAX_LORA_RANK)."""
+    admission_memory_fraction: float
+    """Share of the store's memory cap past which admission refuses new jobs."""
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> Limits:
+        return cls(max_lora_rank=s.max_lora_rank, admission_memory_fraction=s.admission_memory_fraction)
+
+
+# ---------------------------------------------------------------- visibility
+def visible(tenant: str | None, rec: JobRecord) -> bool:
+    """Whether a caller of this tenant (None: every tenant) may see the job."""
+    return tenant is None or rec.tenant == tenant
+
+
+def job(store: Store, tenant: str | None, job_id: str) -> JobRecord:
+    """The job's record if the caller may see it; another tenant's job is not found, with the same message."""
+    rec = store.job(job_id)  # NotFound(f"no job {job_id!r}")
+    if not visible(tenant, rec):
+        raise NotFound(f"no job {job_id!r}")
+    return rec
+
+
+def listed_tenant(tenant: str | None, asked: str | None) -> str | None:
+    """Whose jobs a listing shows: the caller's own tenant; asking for another is an unknown tenant."""
+    if tenant is None:
+        return asked
+    if asked not in (None, tenant):
+        raise NotFound(f"no tenant {asked!r}")
+    return tenant
+
+
+def job_ids(store: Store, tenant: str | None, asked: str | None = None, limit: int | None = None) -> list[str]:
+    """The ids of the jobs the caller lists, oldest first (the newest `limit` ones, if given)."""
+    ids = store.job_ids(listed_tenant(tenant, asked))
+    if limit is None:
+        return ids
+    return ids[-limit:] if limit > 0 else []
+
+
+def cancel(store: Store, rec: JobRecord) -> None:
+    """Stop a visible job (work in flight is dropped); a job that already ended is left as it is."""
+    if rec.status not in TERMINAL_STATUSES:
+        store.set_status(rec.id, "cancelled")
+
+
+def trainer(principal: Principal) -> str:
+    """The tenant a Tinker training client acts for ('default' for the open single user)."""
+    if principal.operator:
+        raise Forbidden("the operator credential cannot train: use a tenant's token as the API key")
+    return principal.tenant or "default"
+
+
+# ---------------------------------------------------------------- versions and archives
+def version(rec: JobRecord, v: int | None = None) -> int:
+    """A published adapter version of the job (default: the newest); NotFound outside 1..version."""
+    v = rec.version if v is None else v
+    if v == 0:
+        raise NotFound(f"job {rec.id} has no trained adapter yet (version 0 is the base model itself)")
+    if v < 0 or v > rec.version:
+        raise NotFound(f"job {rec.id} has versions 1..{rec.version}, not {v}")
+    return v
+
+
+def adapter_blob(store: Store, rec: JobRecord, v: int | None = None) -> tuple[int, bytes]:
+    """(version, stored adapter blob) of a published version of a visible job."""
+    v = version(rec, v)
+    return v, store.adapter(AdapterRef(rec.id, v))
+
+
+def archive(blob: bytes, base: str | None) -> bytes:
+    """An adapter blob as tar.gz bytes of a PEFT directory (adapter_config.json and
+    adapter_model.safetensors at the archive's top level)."""
+    buf = io.BytesIO()
+    with tempfile.TemporaryDirectory(prefix="marlaas-adapter-") as tmp:
+        out = write_adapter_dir(blob, Path(tmp) / "adapter", base_path=base)
+        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+            for name in (CONFIG_NAME, WEIGHTS_NAME):
+                tar.add(out / name, arcname=name)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------- deployment limits
+def max_lora_rank(store: Store, fallback: int | None = None) -> int:
+    """The largest LoRA rank this deployment serves: the deployment record's (written by the workers
+    from MARLAAS_MAX_LORA_RANK), else `fallback` (the same setting, read at the caller's edge), else
+    that setting's declared default."""
+    recorded = store.deployment().get("max_lora_rank")
+    if recorded:
+        return int(recorded)
+    return int(fallback if fallback is not None else Settings.model_fields["max_lora_rank"].default)
+
+
+def check_lora_rank(store: Store, rank: int, fallback: int | None = None, what: str = "lora.rank") -> None:
+    """SpecError when `rank` is over the deployment's largest LoRA rank."""
+    top = max_lora_rank(store, fallback)
+    if rank > top:
+        raise SpecError(f"invalid job spec: {what}: {rank} exceeds the maximum {top}")
+
+
+# ---------------------------------------------------------------- summaries
+def summary(store: Store, rec: JobRecord) -> dict:
+    """A job's progress in one dict: status, version/steps, last mean reward and staleness, base and
+    final accuracy, error counts, the error, created/updated times."""
+    last = store.last_metrics(rec.id) or {}
+    evals = store.evals(rec.id)
+    spec = rec.spec
+    return {
+        "id": rec.id,
+        "tenant": rec.tenant,
+        "task": spec.task or "dataset",
+        "status": rec.status,
+        "version": rec.version,
+        "steps": spec.steps,
+        "reward_mean": last.get("reward_mean"),
+        "staleness": max(last.get("staleness") or [0]),
+        "max_staleness": spec.max_staleness,
+        "base_acc": evals.get(0, {}).get("acc"),
+        "final_acc": evals.get(spec.steps, {}).get("acc"),
+        "regenerated": int(rec.extra.get("regenerated", 0)),
+        "verify_errors": int(rec.extra.get("verify_errors", 0)),
+        "tool_calls": int(rec.extra.get("tool_calls", 0)),
+        "tool_errors": int(rec.extra.get("tool_errors", 0)),
+        "error": rec.extra.get("error"),
+        "created": rec.created,
+        "updated": float(rec.extra.get("updated") or rec.created),
+    }
