@@ -59,7 +59,7 @@ SHARES = {"decode": 0.5, "train": 0.2, "fused": 0.3}  # of the budget, cumulativ
 
 def load_routing():
     """`marlaas/train/routing.py` by path (it imports only torch and peft)."""
-    spec = importlib.util.spec_from_file_location("marlaas_routing", ROOT / "marlaas" / "engines" / "routing.py")
+    spec = importlib.util.spec_from_file_location("marlaas_routing", ROOT / "marlaas" / "train" / "routing.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.routed
