@@ -135,7 +135,7 @@ def main() -> None:
     env = {**os.environ, "MARLAAS_REDIS_URL": stack.url, "MARLAAS_API_RATE": "0",
            "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     server = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "marlaas.api.server:create_app", "--factory", "--host", "127.0.0.1",
+        [sys.executable, "-m", "uvicorn", "marlaas.api.app:create_app", "--factory", "--host", "127.0.0.1",
          "--port", str(port), "--log-level", "warning", "--no-access-log"],
         env=env, stdout=open(home / "logs" / "api.log", "ab"), stderr=subprocess.STDOUT)
     try:

@@ -133,7 +133,7 @@ def api(
                                "requests without a token (the embedded single-user default; MARLAAS_API_OPEN)."),
 ):
     """Serve the HTTP API (the Procfile's `api` line): tenants reach marlaas only through it."""
-    from marlaas.api.server import serve
+    from marlaas.api.app import serve
 
     serve(host, port, open=open_)
 

@@ -1,4 +1,4 @@
-"""The Python API over HTTP: the surface of `marlaas.api.client` (Client, Job), talking to `marlaas.api.server`.
+"""The Python API over HTTP: the surface of `marlaas.api.client` (Client, Job), talking to `marlaas.api.app`.
 
     from marlaas.api.http_client import Client
     client = Client()                      # MARLAAS_API_URL, else http://127.0.0.1:$MARLAAS_API_PORT
@@ -27,9 +27,8 @@ from typing import Any
 
 import httpx
 
-from marlaas.api.errors import BY_NAME
 from marlaas.api.settings import ApiSettings
-from marlaas.errors import ApiUnavailable, MarlaasError, RateLimited, ServerError, SpecError
+from marlaas.errors import ApiUnavailable, MarlaasError, RateLimited, ServerError, SpecError, by_name
 from marlaas.spec import JobSpec
 from marlaas.types import TERMINAL_STATUSES
 
@@ -196,7 +195,7 @@ class Job:
                 raise error_of(r)
             for event, data in _sse_events(r.iter_lines()):
                 if event == "error":
-                    raise BY_NAME.get(data.get("type"), MarlaasError)(data.get("message", "stream error"))
+                    raise by_name(str(data.get("type")))(data.get("message", "stream error"))
                 if event in ("status", "end"):
                     st = _as_status(data)
                     if event == "end":
@@ -239,7 +238,7 @@ def error_of(r: httpx.Response) -> MarlaasError:
     """The marlaas error an error response stands for (its envelope's type and message)."""
     try:
         err = r.json()["error"]
-        cls, msg = BY_NAME.get(err["type"], MarlaasError), str(err["message"])
+        cls, msg = by_name(str(err["type"])), str(err["message"])
     except (ValueError, KeyError, TypeError):
         cls, msg = MarlaasError, f"HTTP {r.status_code} from {r.request.url} (not a marlaas error body)"
     if cls is RateLimited:

@@ -44,7 +44,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from marlaas.errors import MarlaasError, SpecError, VerifierError, one_line
+from marlaas.errors import GraderLoadError, MarlaasError, SpecError, VerifierError, one_line  # noqa: F401  (GraderLoadError re-exported)
 from marlaas.verify import formula, similarity
 from marlaas.verify.verifiers import BUILTIN, GroupScore
 
@@ -58,10 +58,6 @@ _TEMPLATE = re.compile(r"\{\{(.*?)\}\}", re.S)
 _FIELD = re.compile(r"^\s*(?:item\.([A-Za-z_][A-Za-z0-9_]{0,63})|sample\.(output_text))\s*$")
 _SUBNAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 _MARK = "__marlaas_grade__="
-
-
-class GraderLoadError(MarlaasError):
-    """A grader that cannot be used at all (e.g. a registered name that no longer resolves)."""
 
 
 def check_template(text: str) -> str:

@@ -61,17 +61,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from marlaas.errors import MarlaasError
+from marlaas.errors import MarlaasError, SandboxError  # noqa: F401  (SandboxError re-exported)
 
 log = logging.getLogger(__name__)
 
 RUNNER = Path(__file__).with_name("_sandbox_runner.py")
 
 Status = Literal["ok", "error", "timeout", "killed"]
-
-
-class SandboxError(MarlaasError):
-    """The sandbox itself failed (could not start, crashed or overran the batch limit); no verdicts."""
 
 
 @dataclass(frozen=True)

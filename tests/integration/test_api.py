@@ -16,8 +16,8 @@ import time
 import httpx
 import pytest
 
+from marlaas.api.app import create_app
 from marlaas.api.http_client import Client, extract_archive
-from marlaas.api.server import create_app
 from marlaas.api.service import operator_token
 from marlaas.api.settings import ApiSettings
 from marlaas.api.tenancy import add_tenant
@@ -141,7 +141,7 @@ def test_tokens_are_required_unless_open_on_loopback(serve, st):
 
 
 def test_open_serve_refuses_a_non_loopback_bind():
-    from marlaas.api.server import serve
+    from marlaas.api.app import serve
 
     with pytest.raises(MarlaasError, match="refusing to serve without tokens"):
         serve("0.0.0.0", free_port(), open=True, store_url="redis://127.0.0.1:1/0")

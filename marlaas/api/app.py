@@ -1,0 +1,68 @@
+"""The HTTP API app: settings read here (the process edge), one Service, one limiter, the routers.
+
+    marlaas.api.app.serve("127.0.0.1", 8400)          # or: uvicorn marlaas.api.app:create_app --factory
+
+Invariants:
+- `create_app` is the only place the API reads settings (ApiSettings and the deployment's Settings);
+  it passes them down: `app.state.service` (a `Service` with its `access.Limits`), `app.state.limiter`
+  (one `RateLimiter` for every door), `app.state.settings` (the ApiSettings).
+- Every route but /v1/health (and /docs, /openapi.json) is authenticated and rate limited by
+  `deps.Caller`; errors are the one JSON envelope of `middleware` with the status of their class.
+- The operator credential is $MARLAAS_HOME/operator_token (made on first use, mode 0600). An open
+  server (`open=True`: no token needed while no tenant exists) is refused on a non-loopback bind,
+  and even then only loopback peers are let in without a token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from marlaas.api.access import Limits
+from marlaas.api.deps import loopback
+from marlaas.api.middleware import BodyLimit, install_error_handlers
+from marlaas.api.models import ErrorOut
+from marlaas.api.ratelimit import RateLimiter
+from marlaas.api.routes import files, graders, health, jobs, tenants, verifiers
+from marlaas.api.service import Service
+from marlaas.api.settings import ApiSettings
+from marlaas.api.tinker.routes import tinker_router
+from marlaas.errors import MarlaasError
+from marlaas.settings import get_settings
+from marlaas.store import Store
+
+
+def create_app(store_url: str | None = None, home: Path | None = None, *, open: bool | None = None,
+               settings: ApiSettings | None = None) -> FastAPI:
+    """The API app over the store at `store_url` (default: MARLAAS_REDIS_URL or the embedded one), with
+    the operator token and uploaded files under `home` (default: MARLAAS_HOME). `open` (default
+    MARLAAS_API_OPEN) lets loopback requests without a token in while no tenant exists."""
+    s = settings or ApiSettings()
+    deployment = get_settings()
+    service = Service(Store(store_url), home or deployment.home, Limits.from_settings(deployment),
+                      open_single_user=s.open if open is None else open)
+    app = FastAPI(title="marlaas", version="0.1.0",
+                  description="Multi-tenant asynchronous RL fine-tuning of LLMs with LoRA adapters.",
+                  responses={code: {"model": ErrorOut} for code in (401, 404, 422, 429)})
+    app.state.service, app.state.settings, app.state.limiter = service, s, RateLimiter(s.rate, s.burst)
+    app.add_middleware(BodyLimit, max_body=s.max_body_bytes, max_file=s.max_file_bytes, upload_path=files.PATH)
+    install_error_handlers(app)
+    app.include_router(tinker_router(service, app.state.limiter))  # the Tinker wire protocol under /api/v1
+    for module in (health, jobs, files, tenants, graders, verifiers):
+        app.include_router(module.router)
+    return app
+
+
+def serve(host: str = "127.0.0.1", port: int | None = None, *, open: bool | None = None,
+          store_url: str | None = None) -> None:
+    """Run the API with uvicorn (blocking). An open server is refused on a non-loopback bind."""
+    import uvicorn
+
+    s = ApiSettings()
+    is_open = s.open if open is None else open
+    if is_open and not loopback(host):
+        raise MarlaasError(f"refusing to serve without tokens (--open) on {host}: bind 127.0.0.1 or register "
+                           "a tenant and drop --open")
+    app = create_app(store_url, open=is_open, settings=s)
+    uvicorn.run(app, host=host, port=port or s.port, log_level="info", proxy_headers=False)

@@ -1,0 +1,146 @@
+"""The job routes under /v1/jobs: submit, list, get, cancel / pause / resume, events (SSE or pages),
+metrics, evaluations, checkpoints and adapter downloads.
+
+Invariants: every route is authenticated and rate limited (`deps.Caller`) and goes through the
+`Service`, whose visibility is `marlaas.api.access`'s: another tenant's job or listing is 404.
+An event stream ends with `end` once the job has ended; an error after it started is an `error` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from fastapi import APIRouter, Body, Depends, Header, Query, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from marlaas.api.access import Principal
+from marlaas.api.deps import Caller, service
+from marlaas.api.models import CheckpointList, EventPage, JobList, JobOut
+from marlaas.api.service import Service
+from marlaas.errors import MarlaasError, SpecError
+from marlaas.types import TERMINAL_STATUSES
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+Svc = Depends(service)
+
+
+@router.post("", status_code=201, response_model=JobOut)
+def submit(spec: dict[str, Any] = Body(..., description="A job spec (marlaas.spec.JobSpec); `dataset` and "
+                                       "`eval_dataset` are lists of rows or uploaded file ids."),
+           p: Principal = Caller, svc: Service = Svc) -> dict:
+    return svc.submit(p, spec)
+
+
+@router.get("", response_model=JobList)
+def list_jobs(tenant: str | None = Query(None, description="Only this tenant's jobs (operator)."),
+              limit: int = Query(1000, ge=1, le=100_000), p: Principal = Caller, svc: Service = Svc) -> dict:
+    return {"jobs": svc.list(p, tenant, limit)}
+
+
+@router.get("/{job_id}", response_model=JobOut)
+def get_job(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
+    return svc.get(p, job_id)
+
+
+@router.post("/{job_id}/cancel", response_model=JobOut)
+def cancel(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
+    return svc.cancel(p, job_id)
+
+
+@router.post("/{job_id}/pause", response_model=JobOut)
+def pause(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
+    return svc.pause(p, job_id)
+
+
+@router.post("/{job_id}/resume", response_model=JobOut)
+def resume(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
+    return svc.resume(p, job_id)
+
+
+@router.get("/{job_id}/events", response_model=EventPage, responses={200: {"content": {"text/event-stream": {}}}})
+async def events(request: Request, job_id: str, after: float | None = Query(None),
+                 limit: int = Query(500, ge=1, le=10_000), p: Principal = Caller, svc: Service = Svc,
+                 last_event_id: str | None = Header(None)):
+    """A server-sent event stream (`event: step|eval|task|status|end`, `id:` the cursor) until the
+    job ends; with `Accept: application/json`, one page of events after `after` instead."""
+    if after is None and last_event_id:
+        try:
+            after = float(last_event_id)
+        except ValueError:
+            raise SpecError(f"invalid request: Last-Event-ID {last_event_id!r} is not a cursor") from None
+    first = await run_in_threadpool(svc.events, p, job_id, after, limit)
+    accept = request.headers.get("accept", "")
+    if "application/json" in accept and "text/event-stream" not in accept:
+        return first
+    poll_s = request.app.state.settings.sse_poll_s
+    return StreamingResponse(_sse(request, svc, p, job_id, first, poll_s), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.get("/{job_id}/metrics")
+def metrics(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
+    """{"steps": [per-step metrics], "evals": {version: evaluation with outputs}}."""
+    return svc.metrics(p, job_id)
+
+
+@router.get("/{job_id}/evals")
+def evals(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
+    """{"evals": [one row per evaluated version, ascending, without outputs]}."""
+    return {"evals": svc.evals(p, job_id)}
+
+
+@router.get("/{job_id}/checkpoints", response_model=CheckpointList)
+def checkpoints(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
+    return {"checkpoints": svc.checkpoints(p, job_id)}
+
+
+@router.get("/{job_id}/checkpoints/{version}/adapter", responses={200: {"content": {"application/gzip": {}}}})
+def adapter(job_id: str, version: str, p: Principal = Caller, svc: Service = Svc) -> Response:
+    """The adapter of `version` ('latest' = the newest) as a tar.gz of a PEFT directory."""
+    if version == "latest":
+        v = None
+    elif version.isdigit():
+        v = int(version)
+    else:
+        raise SpecError(f"invalid request: version {version!r}: give a number or 'latest'")
+    v, data = svc.adapter_archive(p, job_id, v)
+    return Response(data, media_type="application/gzip", headers={
+        "Content-Disposition": f'attachment; filename="{job_id}-v{v}.tar.gz"', "X-Marlaas-Version": str(v)})
+
+
+def _sse_message(event: str, data: Any, cursor: float | None = None) -> str:
+    head = f"id: {cursor!r}\n" if cursor is not None else ""
+    return f"{head}event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def _sse(request: Request, svc: Service, p: Principal, job_id: str, page: dict, poll_s: float):
+    """The event stream: each timeline event, a `status` event whenever status or version changes,
+    and `end` (the final summary) once the job has ended; a comment line every 15 s keeps proxies open.
+    An error after the stream started is sent as an `error` event, then the stream ends."""
+    seen, quiet_since = None, time.monotonic()
+    try:
+        while True:
+            for ev in page["events"]:
+                yield _sse_message(ev["type"], ev["data"], ev["at"])
+            if (page["status"], page["version"]) != seen:
+                seen = (page["status"], page["version"])
+                summary = await run_in_threadpool(svc.get, p, job_id)
+                yield _sse_message("status", summary)
+                quiet_since = time.monotonic()
+            if page["status"] in TERMINAL_STATUSES and not page["more"]:
+                yield _sse_message("end", summary)
+                return
+            if not page["more"]:
+                await asyncio.sleep(poll_s)
+                if time.monotonic() - quiet_since > 15:
+                    yield ": keep-alive\n\n"
+                    quiet_since = time.monotonic()
+            if await request.is_disconnected():
+                return
+            page = await run_in_threadpool(svc.events, p, job_id, page["next"], 1000)
+    except MarlaasError as e:
+        yield _sse_message("error", {"type": type(e).__name__, "message": str(e)})
