@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import lru_cache
-from typing import NotRequired, TypedDict
+from typing import NamedTuple, NotRequired, TypedDict
 
 
 class ItemKind(StrEnum):
@@ -60,6 +60,60 @@ def parse_item(name: str | bytes) -> tuple[str, str, int]:
         name = name.decode()
     kind, job, idx = name.split("|")
     return kind, job, int(idx)
+
+
+class WorkItem(NamedTuple):
+    """One piece of work: its kind, its job and its index (group index, or the version evaluated).
+
+    The one work vocabulary of the scheduler, the tick, the store's leases and the stations. A tuple,
+    so a Celery message carries it as a JSON list [kind, job, idx] (`WorkItem.of` reads one back)
+    and a lease as its `name`, 'kind|job|idx' (`WorkItem.parse` reads one back)."""
+
+    kind: ItemKind
+    job: str
+    idx: int
+
+    @property
+    def name(self) -> str:
+        """The lease name, 'kind|job|idx'."""
+        return item_name(self.kind, self.job, self.idx)
+
+    @classmethod
+    def parse(cls, name: str | bytes) -> WorkItem:
+        """A lease name back to an item; ValueError for a malformed name or an unknown kind."""
+        kind, job, idx = parse_item(name)
+        return cls(ItemKind(kind), job, idx)
+
+    @classmethod
+    def of(cls, wire: list | tuple) -> WorkItem:
+        """A Celery message's [kind, job, idx] back to an item; ValueError for an unknown kind."""
+        kind, job, idx = wire
+        return cls(ItemKind(kind), str(job), int(idx))
+
+
+def eval_request_key(job: str, version: int, row: int, sampled: bool) -> str:
+    """The generation request key of held-out row `row` of the evaluation of (job, version): its greedy
+    completion (`sampled` False) or its pass@k samples (True). The one spelling of these keys; they
+    start with 'eval|' (`is_eval_request`) and `parse_eval_request` reads one back."""
+    return f"{ItemKind.EVAL.value}|{job}|{version}|{row}|{'k' if sampled else 'g'}"
+
+
+def is_eval_request(key: str) -> bool:
+    """Whether a generation request key is an evaluation's (`eval_request_key`)."""
+    return key.startswith(ItemKind.EVAL.value + "|")
+
+
+def parse_eval_request(key: str) -> tuple[str, int, int, bool]:
+    """An `eval_request_key` back to (job, version, row, sampled)."""
+    _, job, version, row, which = key.split("|")
+    return job, int(version), int(row), which == "k"
+
+
+def eval_versions(steps: int, every: int) -> list[int]:
+    """Adapter versions evaluated on the held-out set: 0 (the base), every `every`-th published
+    version (every, 2*every, ... < steps; none when every = 0) and the final one, `steps`."""
+    mid = range(every, steps, every) if every > 0 else range(0)
+    return [0, *mid, steps]
 
 
 @dataclass(frozen=True)

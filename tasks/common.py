@@ -1,4 +1,7 @@
-"""Helpers every task uses: the store, kicking the scheduler, recording station events."""
+"""Helpers every task uses: the store, kicking the scheduler, recording station events.
+
+A process edge: the settings are read here and in the task modules, and passed down to the library
+(the Store's URL and lease, the tick's `TickConfig`)."""
 
 from __future__ import annotations
 
@@ -8,13 +11,22 @@ import socket
 import time
 from functools import lru_cache
 
-from marlaas.store import Store
+from marlaas.control.dispatch import TickConfig
+from marlaas.settings import get_settings
+from marlaas.store import Store, resolve_url
+from marlaas.types import ItemKind
 from tasks.app import app
 
 
 @lru_cache(maxsize=1)
 def store() -> Store:
-    return Store()
+    s = get_settings()
+    return Store(resolve_url(None, s), lease_s=s.lease_s)
+
+
+def tick_config() -> TickConfig:
+    """The scheduler tick's settings (marlaas.control.dispatch.tick's `config`)."""
+    return TickConfig.from_settings(get_settings())
 
 
 def worker_name() -> str:
@@ -43,7 +55,7 @@ def describe(name: str, args: list) -> str:
     if station == "generate":
         per_job: dict[str, list[str]] = {}
         for kind, jid, idx in args[1]:
-            label = {"gen": "group", "cont": "tool turn of group"}.get(kind, "eval v")
+            label = {ItemKind.GEN: "group", ItemKind.CONT: "tool turn of group"}.get(kind, "eval v")
             per_job.setdefault(jid, []).append(f"{label}{idx}")
         jobs = "; ".join(f"job={j} tenant={_tenant(j)} [{', '.join(v)}]" for j, v in per_job.items())
         return f"station=generate batch={args[0]} {jobs}"
@@ -74,8 +86,6 @@ def station_event(station: str, jobs: list[str], **info):
 
 def register_base(path, name: str | None = None) -> None:
     """Record which base this deployment serves (jobs naming another base are refused at submit)."""
-    from marlaas.settings import get_settings
-
     store().set_deployment(base=str(path), base_name=name or os.path.basename(str(path).rstrip("/")),
                            max_lora_rank=get_settings().max_lora_rank)
 
@@ -84,7 +94,6 @@ def base_dir():
     """The base directory this worker loads (MARLAAS_BASE, else the pushed base fetched into the
     host's cache: marlaas.base.distribution), recorded in the store."""
     from marlaas.base.distribution import local_base
-    from marlaas.settings import get_settings
 
     path, name = local_base(get_settings(), store())
     register_base(path, name)

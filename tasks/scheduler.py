@@ -3,17 +3,18 @@
 from marlaas.control import dispatch
 from tasks import tinker
 from tasks.app import app
-from tasks.common import send, store
+from tasks.common import send, store, tick_config
 
 
 @app.task(name="marlaas.tick", ignore_result=True, acks_late=False)
 def tick() -> dict:
     tinker.dispatch()  # pending Tinker protocol work -> train / generate messages
-    plan = dispatch.tick(store(), send)
+    plan = dispatch.tick(store(), send, tick_config())
     if plan is None:
         return {"skipped": "another tick holds the lock"}
     return {
         "gen_batches": len(plan.gen_batches),
         "verify": len(plan.verify),
         "train": plan.train,
+        "tinker": plan.tinker,
     }

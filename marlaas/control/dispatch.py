@@ -1,19 +1,23 @@
 """The scheduler tick's impure half: read a Snapshot from the store, run the policy, carry it out.
 
-`tick(store, send)` is called by the Celery `marlaas.tick` task (every second from beat, and after
-every task completes). It holds the store's scheduler lock, so ticks never interleave.
-`send(messages)` enqueues a tick's Celery tasks, a list of (task name, args), all at once (the
-service's sender pushes them to the broker in one pipelined round trip: tasks/common.py); it is
-passed in because this library never imports celery.
+`tick(store, send, config)` is called by the Celery `marlaas.tick` task (every second from beat, and
+after every task completes). It holds the store's scheduler lock, so ticks never interleave. One
+tick is four steps, in this order: `snapshot` (reads only), `watchdog` (fails the jobs that made no
+progress for `stall_s`; they are left out of this tick's plan), `scheduler.plan` (pure: which
+generation batches, re-verifications, and which job or Tinker model gets the trainer lane), `apply`
+(writes, then sends). `send(messages)` enqueues a tick's Celery tasks, a list of (task name, args),
+all at once (the service's sender pushes them to the broker in one pipelined round trip:
+tasks/common.py); it is passed in because this library never imports celery. Settings are read at
+the process edge: the caller passes a `TickConfig`.
 Leases are written before messages are sent: a crash between the two leaves work that the lease
 expiry dispatches again, never work that is lost.
 
 Cost at N active jobs (bench/tick.py): five round trips (lock, state, details, write, unlock), each
 one script call whose reply or argument is a single string. The process keeps a copy of the
-scheduling table (each active job's status, version, dispatched, pass, created: store_tick.py)
-decoded into JobStates; each tick reads and decodes only the rows changed since its last read (the
-table's change log), so the Python side is O(N) list building plus O(changed jobs) decoding. A spec
-never changes, and an evaluation once stored stays stored: both are remembered per process.
+scheduling table decoded into JobStates (memory.py); each tick reads and decodes only the rows
+changed since its last read (the table's change log), so the Python side is O(N) list building plus
+O(changed jobs) decoding. A spec never changes, and an evaluation once stored stays stored: both are
+remembered per process.
 """
 
 from __future__ import annotations
@@ -22,141 +26,52 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from operator import attrgetter
 
 from marlaas.control import scheduler
-from marlaas.settings import get_settings
-from marlaas.store import Store, item_name, parse_item
-from marlaas.types import ACTIVE_STATUSES, ItemKind
+from marlaas.control.memory import MEMORY, TableJob, TickMemory
+from marlaas.settings import Settings
+from marlaas.store import Store
+from marlaas.store.tinker import TinkerStore
+from marlaas.types import ItemKind, WorkItem
+
+__all__ = ["GC_EVERY_S", "MEMORY", "Send", "TickConfig", "TickMemory", "apply", "snapshot", "tick", "watchdog"]
 
 log = logging.getLogger("marlaas.control")
 GC_EVERY_S = 30.0
 Send = Callable[[list[tuple[str, list]]], None]  # [(task name, args), ...] sent together
 
 
-class _Job:
-    """One row of the scheduling table, decoded: its JobState (ready False, no evals needed), the
-    evaluations still to look up, and the lines the tick's details script takes."""
-
-    __slots__ = ("id", "num", "key", "state", "evals", "ready_line", "eval_line", "rows", "order")
-
-    def __init__(self, f: list[str], spec, url: str, evals_done: set):
-        jid, _, t, d, pv, created = f
-        t, d, p = int(t), int(d), spec.prompts_per_step
-        self.id, self.num, self.key = jid, scheduler.id_number(jid), (url, jid, created)
-        self.state = scheduler.JobState(
-            id=jid, version=t, steps=spec.steps, staleness=spec.max_staleness, groups_per_step=p,
-            group_size=spec.group_size, dispatched=d, weight=spec.weight, pass_value=float(pv or 0.0),
-            eval_rows=spec.eval_size * (1 + spec.eval_k),  # greedy + sampled completions
-            tenant=spec.tenant,
-        )
-        self.rows = max(spec.group_size, self.state.eval_rows)
-        self.order = scheduler.trainer_order(self.state)  # the trainer's order (the tick's script keeps it)
-        # a candidate for the trainer while its training is not over: are step t's groups all verified?
-        self.ready_line = f"{jid} {t * p} {p}" if t < spec.steps else None
-        evs = scheduler.evals_to_check(t, spec.steps, spec.eval_every)
-        self.set_evals([v for v in evs if (*self.key, v) not in evals_done])
-
-    def set_evals(self, evals: list[int]) -> None:
-        self.evals = evals
-        self.eval_line = f"{self.id} {self.state.eval_rows} {' '.join(map(str, evals))}" if evals else None
+def _default(name: str):
+    return Settings.model_fields[name].default
 
 
-class _View:
-    """This process's copy of one store's scheduling table: the decoded jobs, the epoch and change
-    sequence number read last (store.tick_state sends only the rows changed since), id order."""
+@dataclass(frozen=True)
+class TickConfig:
+    """The settings a tick uses (marlaas.settings.Settings' fields of the same names). The defaults
+    are Settings' defaults; a process edge passes `TickConfig.from_settings(get_settings())`."""
 
-    def __init__(self):
-        self.epoch, self.seq = "", "0"
-        self.jobs: dict[str, _Job] = {}
-        self.order: list[_Job] = []  # by id number
-        self.pos: dict[str, int] = {}  # job id -> its index in order
+    lease_s: float = _default("lease_s")
+    train_lease_s: float = _default("train_lease_s")
+    stall_s: float = _default("stall_s")
+    gen_batch_rows: int = _default("gen_batch_rows")
+    gen_min_fill: float = _default("gen_min_fill")
+    gen_jit_jobs: int = _default("gen_jit_jobs")
+    admission_memory_fraction: float = _default("admission_memory_fraction")
+    retention_s: float = _default("retention_s")
 
-    def update(self, store: Store, state: dict, evals_done: set) -> list[_Job]:
-        """Apply tick_state's rows; returns the active jobs by id number. Only changed rows are
-        decoded (specs read once per process: store.job_specs)."""
-        if state["full"]:
-            self.jobs = {}
-        reorder, decode = state["full"], []
-        for line in state["rows"]:
-            jid, _, row = line.partition("\t")
-            f = row.split("\t")
-            if len(f) == 5 and f[0] in ACTIVE_STATUSES and f[1] and f[2]:
-                decode.append((jid, f))
-            elif self.jobs.pop(jid, None) is not None:
-                reorder = True
-        if decode:
-            specs = store.job_specs([(jid, f[4]) for jid, f in decode])
-            for jid, f in decode:
-                if jid not in specs:  # deleted between the two reads
-                    reorder |= self.jobs.pop(jid, None) is not None
-                    continue
-                reorder |= jid not in self.jobs
-                self.jobs[jid] = e = _Job([jid, *f], specs[jid], store.url, evals_done)
-                if not reorder:
-                    self.order[self.pos[jid]] = e
-        if reorder:
-            self.order = sorted(self.jobs.values(), key=attrgetter("num"))
-            self.pos = {e.id: i for i, e in enumerate(self.order)}
-        self.epoch, self.seq = state["epoch"], state["seq"]
-        return self.order
+    @classmethod
+    def from_settings(cls, s: Settings) -> TickConfig:
+        return cls(**{name: getattr(s, name) for name in cls.__dataclass_fields__})
 
 
-class TickMemory:
-    """What a process remembers between its ticks: per store URL its copy of the scheduling table,
-    and the evaluations known to be stored (permanent once stored). One per process (`MEMORY`); a
-    benchmark or test that wants a cold tick calls `forget(url)`."""
-
-    def __init__(self) -> None:
-        self.views: dict[str, _View] = {}  # store url -> its view
-        # (url, job id, created, version): evaluations known to be stored
-        self.evals_done: set[tuple[str, str, str, int]] = set()
-        # store url -> job key -> ((version, dispatched), when first seen so): the watchdog's clock
-        self.progress: dict[str, dict[tuple, tuple[tuple[int, int], float]]] = {}
-        self.last_gc: dict[str, float] = {}  # store url -> when this process last collected garbage
-
-    def view(self, url: str) -> _View:
-        return self.views.setdefault(url, _View())
-
-    def forget(self, url: str) -> None:
-        """Drop the table copy of one store: the next tick reads every row again."""
-        self.views.pop(url, None)
-
-    def stalled(self, url: str, jobs: list, now: float, limit_s: float) -> list[str]:
-        """Jobs whose (version, dispatched) has not moved for `limit_s` seconds of this process's
-        ticks (a restarted control worker starts the clock again)."""
-        seen = self.progress.setdefault(url, {})
-        out = []
-        for j in jobs:  # keyed by (url, id, created): an id reused after a flushed DB is another job
-            mark = (j.state.version, j.state.dispatched)
-            prev = seen.get(j.key)
-            if prev is None or prev[0] != mark:
-                seen[j.key] = (mark, now)
-            elif now - prev[1] > limit_s:
-                out.append(j.id)
-        if len(seen) > 2 * len(jobs) + 1000:  # forget ended jobs
-            live = {j.key for j in jobs}
-            self.progress[url] = {k: v for k, v in seen.items() if k in live}
-        return out
-
-    def restart_clock(self, url: str, jobs: list, now: float) -> None:
-        seen = self.progress.setdefault(url, {})
-        for j in jobs:
-            seen[j.key] = ((j.state.version, j.state.dispatched), now)
-
-    def remember_evals(self, keys) -> None:
-        if len(self.evals_done) >= 1_000_000:
-            self.evals_done.clear()
-        self.evals_done.update(keys)
-
-
-MEMORY = TickMemory()
-
-
-def snapshot(store: Store, now: float, memory: TickMemory = MEMORY) -> scheduler.Snapshot:
+def snapshot(store: Store, now: float, config: TickConfig = TickConfig(),
+             memory: TickMemory = MEMORY) -> scheduler.Snapshot:
     """Read everything the policy needs (and clear the kick flag): store.tick_state, then at most one
-    store.tick_details call. Cost O(active jobs + expired leases + workers); no keyspace scan.
+    store.tick_details call, and while the trainer lane is free the Tinker models wanting it. Reads
+    only (the one exception: a trainer lease held by a dead worker is broken, `_trainer_free`). Cost
+    O(active jobs + expired leases + workers); no keyspace scan.
 
     Per-job details are read only where the plan can use them. `ready` is True for one job at most:
     the trainer's pick (the ready job with the lowest (pass, id), what scheduler.choose_trainer
@@ -165,7 +80,6 @@ def snapshot(store: Store, now: float, memory: TickMemory = MEMORY) -> scheduler
     the expired work and the needed evaluations found so far exceed  free * max(batch_rows, largest
     item)  rows, no later item fits in this tick's batches (a batch holds at most batch_rows rows,
     or one larger item), so later jobs are not asked and show no evaluation needed."""
-    s = get_settings()
     view = memory.view(store.url)
     state = store.tick_state(now, view.epoch, view.seq)
     workers = state["workers"]
@@ -173,18 +87,6 @@ def snapshot(store: Store, now: float, memory: TickMemory = MEMORY) -> scheduler
     gen_capacity = 2 * max(1, n_gen)
     trainer_free = _trainer_free(store, state["trainer"], workers)
     jobs = view.update(store, state, memory.evals_done)
-    stalled = memory.stalled(store.url, jobs, now, s.stall_s)
-    if stalled:  # a job whose pass is past the trainer's virtual time is waiting its turn, not stalled
-        vt = store.virtual_time()
-        waiting = {j.id for j in jobs if j.id in stalled and j.state.pass_value > vt}
-        memory.restart_clock(store.url, [j for j in jobs if j.id in waiting], now)
-        stalled = [jid for jid in stalled if jid not in waiting]
-    if stalled:  # the watchdog: a job that makes no progress is failed with the reason, never left hanging
-        for jid in stalled:
-            log.error("job %s made no progress for %.0f s: failing it", jid, s.stall_s)
-            store.set_status(jid, "failed", f"no progress for {s.stall_s:.0f} s (no step published, no work "
-                                            "dispatched): see the job's events and the workers' logs")
-        jobs = view.update(store, store.tick_state(now, view.epoch, view.seq), memory.evals_done)
     expired = _parse_leases(store, state["expired"])
     free = max(0, gen_capacity - state["gen_inflight"])
 
@@ -194,7 +96,7 @@ def snapshot(store: Store, now: float, memory: TickMemory = MEMORY) -> scheduler
     eval_lines, budget, asked = [], 0, []
     if free and jobs:
         by_id = {j.id: j for j in jobs}
-        cap = free * max(s.gen_batch_rows, max(j.rows for j in jobs))
+        cap = free * max(config.gen_batch_rows, max(j.rows for j in jobs))
         used = 0
         for kind, jid, _ in expired:  # the plan's first items: expired generate work
             j = by_id.get(jid)
@@ -206,6 +108,28 @@ def snapshot(store: Store, now: float, memory: TickMemory = MEMORY) -> scheduler
             asked = [j for j in jobs if j.eval_line]
             eval_lines, budget = [j.eval_line for j in asked], cap - used
     pick, words = store.tick_details(trainer_lines, budget, eval_lines)
+    need = _needed_evals(asked, words, memory)
+    states = [j.state for j in jobs]
+    if pick is not None or need:
+        for i, j in enumerate(jobs):
+            if j.id == pick or j.id in need:
+                states[i] = replace(j.state, ready=j.id == pick, need_eval=need.get(j.id, ()))
+    return scheduler.Snapshot(
+        jobs=tuple(states),
+        gen_inflight=state["gen_inflight"],
+        gen_capacity=gen_capacity,
+        batch_rows=config.gen_batch_rows,
+        trainer_free=trainer_free,
+        expired=expired,
+        min_batch_rows=int(config.gen_min_fill * config.gen_batch_rows),
+        jit_jobs=config.gen_jit_jobs,
+        tinker=_tinker_candidates(store) if trainer_free else (),
+    )
+
+
+def _needed_evals(asked: list[TableJob], words: list[str], memory: TickMemory) -> dict[str, tuple[int, ...]]:
+    """tick_details' answer per asked job ('d' stored, '1' needed, per evaluation looked up) as the
+    evaluations each job needs; the stored ones are remembered and not looked up again."""
     need: dict[str, tuple[int, ...]] = {}
     for j, word in zip(asked, words):
         if "d" in word:
@@ -218,31 +142,29 @@ def snapshot(store: Store, now: float, memory: TickMemory = MEMORY) -> scheduler
             need[j.id] = needed
         if done:
             j.set_evals([v for v in j.evals if v not in done])
-    states = [j.state for j in jobs]
-    if pick is not None or need:
-        for i, j in enumerate(jobs):
-            if j.id == pick or j.id in need:
-                states[i] = replace(j.state, ready=j.id == pick, need_eval=need.get(j.id, ()))
-    return scheduler.Snapshot(
-        jobs=tuple(states),
-        gen_inflight=state["gen_inflight"],
-        gen_capacity=gen_capacity,
-        batch_rows=s.gen_batch_rows,
-        trainer_free=trainer_free,
-        expired=expired,
-        min_batch_rows=int(s.gen_min_fill * s.gen_batch_rows),
-        jit_jobs=s.gen_jit_jobs,
-    )
+    return need
 
 
-def _parse_leases(store: Store, names: list) -> tuple[scheduler.Item, ...]:
+def _tinker_candidates(store: Store) -> tuple[scheduler.JobState, ...]:
+    """Tinker models with queued training ops, as trainer candidates next to the jobs (the same
+    weighted round-robin, the same per-tenant shares): each with its tenant's plan weight and its own
+    pass (a new model starts at the virtual time, like a new job)."""
+    models = TinkerStore(store).lane_candidates()
+    if not models:
+        return ()
+    passes = store.lane_passes([m for m, _ in models])
+    return tuple(scheduler.JobState(id=m, version=0, steps=1 << 30, staleness=0, groups_per_step=1, group_size=1,
+                                    dispatched=0, weight=store.tenant_weight(tenant or None),
+                                    pass_value=passes[m], ready=True, tenant=tenant) for m, tenant in models)
+
+
+def _parse_leases(store: Store, names: list) -> tuple[WorkItem, ...]:
     """Expired lease names as items; a malformed one (written past the store) is dropped and logged,
     never fatal to scheduling."""
     out = []
     for name in names:
         try:
-            kind, jid, idx = parse_item(name)
-            out.append((ItemKind(kind).value, jid, idx))
+            out.append(WorkItem.parse(name))
         except ValueError:
             log.error("dropping a malformed lease %r", name[:200] if isinstance(name, str) else name)
             store.drop_lease(name)
@@ -261,26 +183,49 @@ def _trainer_free(store: Store, lease: dict | None, workers: dict[str, dict]) ->
     return False
 
 
-def tick(store: Store, send: Send, now: float | None = None, memory: TickMemory = MEMORY) -> scheduler.Plan | None:
-    """One scheduling round; returns the plan carried out, or None if another tick holds the lock.
-    Every GC_EVERY_S it also collects the bulk data of a few jobs past their retention period (of any
-    ended job, oldest first, while the store is over its admission share)."""
+def watchdog(store: Store, now: float, stall_s: float, memory: TickMemory = MEMORY) -> list[str]:
+    """Fail every job whose (version, dispatched) has not moved for `stall_s` seconds of this
+    process's ticks, with the reason, never leaving it hanging; returns their ids. A job whose pass
+    is past the trainer's virtual time is waiting its turn, not stalled: its clock starts again.
+    Works on the jobs the last `snapshot` read (this process's table copy)."""
+    jobs = memory.view(store.url).order
+    stalled = memory.stalled(store.url, jobs, now, stall_s)
+    if not stalled:
+        return []
+    vt = store.virtual_time()
+    waiting = {j.id for j in jobs if j.id in stalled and j.state.pass_value > vt}
+    memory.restart_clock(store.url, [j for j in jobs if j.id in waiting], now)
+    stalled = [jid for jid in stalled if jid not in waiting]
+    for jid in stalled:
+        log.error("job %s made no progress for %.0f s: failing it", jid, stall_s)
+        store.set_status(jid, "failed", f"no progress for {stall_s:.0f} s (no step published, no work "
+                                        "dispatched): see the job's events and the workers' logs")
+    return stalled
+
+
+def tick(store: Store, send: Send, config: TickConfig = TickConfig(), now: float | None = None,
+         memory: TickMemory = MEMORY) -> scheduler.Plan | None:
+    """One scheduling round (snapshot, watchdog, plan, apply); returns the plan carried out, or None
+    if another tick holds the lock. Every GC_EVERY_S it also collects the bulk data of a few jobs
+    past their retention period (of any ended job, oldest first, while the store is over its
+    admission share)."""
     token = store.acquire_lock()
     if token is None:
         return None
     try:
         now = time.time() if now is None else now
-        snap = snapshot(store, now, memory)  # clears the kick flag first
+        snap = snapshot(store, now, config, memory)  # clears the kick flag first
+        failed = set(watchdog(store, now, config.stall_s, memory))
+        if failed:  # their work is dropped with their status: plan without them
+            snap = replace(snap, jobs=tuple(j for j in snap.jobs if j.id not in failed))
         plan = scheduler.plan(snap)
-        lane = _lane_candidates(store, snap, plan)
-        apply(store, plan, send, snap, lane)
+        apply(store, plan, send, config)
         if now - memory.last_gc.get(store.url, 0.0) > GC_EVERY_S:  # ended jobs' bulk data, a few at a time
             memory.last_gc[store.url] = now
-            cfg = get_settings()
             # Over the admission share, ended jobs' leftovers go before their retention period (oldest
             # first): the room belongs to running jobs, which fail on a write past the cap.
-            retention = 0.0 if store.over_share(cfg.admission_memory_fraction)[0] else cfg.retention_s
-            gone = store.collect_garbage(now, retention)
+            over = store.over_share(config.admission_memory_fraction)[0]
+            gone = store.collect_garbage(now, 0.0 if over else config.retention_s)
             if gone:
                 log.info("collected the bulk data of %d ended jobs: %s", len(gone), ", ".join(gone))
         return plan
@@ -288,59 +233,38 @@ def tick(store: Store, send: Send, now: float | None = None, memory: TickMemory 
         store.release_lock(token)
 
 
-def _lane_candidates(store: Store, snap: scheduler.Snapshot, plan: scheduler.Plan) -> list[scheduler.JobState]:
-    """Tinker models with queued training ops, as trainer candidates next to the jobs (the same
-    weighted round-robin, the same per-tenant shares): each with its tenant's plan weight and its own
-    pass (a new model starts at the virtual time, like a new job). Read only while the lane is free."""
-    if not snap.trainer_free:
-        return []
-    from marlaas.api.tenancy import plan_of
-    from marlaas.store.tinker import TinkerStore
-
-    models = TinkerStore(store).lane_candidates()
-    if not models:
-        return []
-    passes = store.lane_passes([m for m, _ in models])
-    return [scheduler.JobState(id=m, version=0, steps=1 << 30, staleness=0, groups_per_step=1, group_size=1,
-                               dispatched=0, weight=plan_of(store, tenant or None).weight, pass_value=passes[m],
-                               ready=True, tenant=tenant) for m, tenant in models]
+def _verify_messages(items: list[WorkItem] | tuple[WorkItem, ...]) -> list[tuple[str, list]]:
+    """`marlaas.verify` messages for re-let VER / EVALVER items: one per job and kind, [job, kind,
+    idxs] (the kind as the lease names it), the message the verify station takes."""
+    grouped: dict[tuple[str, str], list[int]] = {}
+    for kind, jid, idx in items:
+        grouped.setdefault((jid, ItemKind(kind).value), []).append(idx)
+    return [("marlaas.verify", [jid, kind, idxs]) for (jid, kind), idxs in grouped.items()]
 
 
-def apply(store: Store, plan: scheduler.Plan, send: Send, snap: scheduler.Snapshot,
-          lane: list[scheduler.JobState] | None = None) -> None:
+def apply(store: Store, plan: scheduler.Plan, send: Send, config: TickConfig = TickConfig()) -> None:
     """Write every lease, in-flight batch, dispatch counter and the trainer lane in one atomic script
     call (store.tick_write), then send the messages in one call (a crash in between, or a send that
     fails, leaves leases that expire and are dispatched again, and a trainer lease that expires).
-    `lane`: Tinker models wanting the trainer; the lane goes to whichever of them and the job the
-    plan picked comes first in `scheduler.trainer_order`."""
-    s = get_settings()
+    The trainer lane goes to the plan's pick, a job's step (`plan.train`) or a Tinker model
+    (`plan.tinker`), charged by `plan.lane_weight`."""
     batch_ids = [uuid.uuid4().hex[:12] for _ in plan.gen_batches]
     items = [it for batch in plan.gen_batches for it in batch]
-    relet = [item_name(k, j, i) for k, j, i in items[:plan.relet]]
-    relet += [item_name(k, j, i) for k, j, i in plan.verify]
-    new = [item_name(k, j, i) for k, j, i in items[plan.relet:]]
-    train, tinker = None, None
-    everyone = [*snap.jobs, *(lane or [])]
-    picks = [j for j in snap.jobs if plan.train is not None and j.id == plan.train[0]] + list(lane or [])
-    if picks:
-        first = min(picks, key=scheduler.trainer_order)
-        weight = scheduler.lane_weights(everyone)[first.id]  # fair per tenant, jobs and Tinker models alike
-        train = (first.id, first.version, weight, s.train_lease_s)
-        if plan.train is None or first.id != plan.train[0]:
-            tinker, plan.train = first.id, None
-    token = store.tick_write(relet, new, s.lease_s, batch_ids, plan.dispatched, train)
-    messages = [("marlaas.generate", [batch_id, [list(it) for it in batch]])
+    relet = [WorkItem(*it).name for it in items[:plan.relet]] + [WorkItem(*it).name for it in plan.verify]
+    new = [WorkItem(*it).name for it in items[plan.relet:]]
+    train = None
+    if plan.train is not None:
+        train = (plan.train[0], plan.train[1], plan.lane_weight, config.train_lease_s)
+    elif plan.tinker is not None:
+        train = (plan.tinker, 0, plan.lane_weight, config.train_lease_s)
+    token = store.tick_write(relet, new, config.lease_s, batch_ids, plan.dispatched, train)
+    messages = [("marlaas.generate", [batch_id, [[ItemKind(k).value, j, i] for k, j, i in batch]])
                 for batch_id, batch in zip(batch_ids, plan.gen_batches)]
-    verify: dict[tuple[str, str], list[int]] = {}  # one message per job and kind, as generate sends them
-    for kind, jid, idx in plan.verify:
-        verify.setdefault((jid, "train" if kind == ItemKind.VER else "eval"), []).append(idx)
-    messages += [("marlaas.verify", [jid, kind, idxs]) for (jid, kind), idxs in verify.items()]
-    if token is not None and tinker is not None:
-        from marlaas.store.tinker import TinkerStore
-
-        TinkerStore(store).take_model(tinker)  # back among the candidates when its task ends with ops left
-        messages.append(("marlaas.tinker_train", [tinker, token]))
-    elif token is not None:
+    messages += _verify_messages(plan.verify)
+    if token is not None and plan.tinker is not None:
+        TinkerStore(store).take_model(plan.tinker)  # back among the candidates when its task ends with ops left
+        messages.append(("marlaas.tinker_train", [plan.tinker, token]))
+    elif token is not None and plan.train is not None:
         messages.append(("marlaas.train", [plan.train[0], plan.train[1], token]))
     if messages:
         send(messages)

@@ -22,7 +22,11 @@ the off-policy gap between sampler and learner stays 0 while the trainer is the 
 Trainer lane: weighted round-robin by stride scheduling. Each job has a pass value; among jobs
 whose next step's groups are all verified, the one with the lowest pass trains next and its pass
 grows by 1 / weight. Over any window a job with weight w gets a share w / sum(w) of the steps
-(among jobs that are ready), within one step.
+(among jobs that are ready), within one step. Tinker models with queued training ops
+(`Snapshot.tinker`) compete for the same lane under the same rule: `choose_trainer` takes the first
+of the ready jobs and models in `trainer_order`, and the plan says which (`Plan.train` or
+`Plan.tinker`, never both) with the lane weight to charge. A plan is frozen: the tick carries it out
+as decided.
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ import itertools
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from marlaas.types import ItemKind
+from marlaas.types import ItemKind, WorkItem, eval_versions
 
-Item = tuple[str, str, int]  # (kind, job id, group index or version)
+__all__ = ["eval_versions"]  # re-exported: its home is marlaas.types (the store's hygiene needs it too)
+
+Item = WorkItem  # (kind, job id, group index or version)
 
 
 @dataclass(frozen=True)
@@ -72,29 +78,28 @@ class Snapshot:
     expired: tuple[Item, ...] = ()
     min_batch_rows: int = 0  # a batch of groups ahead only (none urgent) waits until this full
     jit_jobs: int = 0  # from this many jobs training on, no groups ahead are generated (0: never just in time)
+    tinker: tuple[JobState, ...] = ()  # Tinker models wanting the trainer lane (ready), read while it is free
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """What to dispatch now."""
+    """What to dispatch now. `train` (a job's next step: id, version) and `tinker` (a Tinker model's
+    id) are the trainer lane's pick, at most one of them; `lane_weight` is what the pick is charged
+    by (stride 1 / weight). Frozen: no field is reassigned, and its lists are not changed once `plan`
+returns it."""
 
     gen_batches: list[list[Item]] = field(default_factory=list)
     dispatched: dict[str, int] = field(default_factory=dict)
     verify: list[Item] = field(default_factory=list)
     train: tuple[str, int] | None = None
     relet: int = 0  # the first `relet` items of gen_batches are expired work dispatched again
+    tinker: str | None = None
+    lane_weight: float = 0.0
 
 
 def admission_limit(version: int, staleness: int, groups_per_step: int, steps: int) -> int:
     """Most groups a job may have dispatched at this version."""
     return min((version + staleness + 1) * groups_per_step, steps * groups_per_step)
-
-
-def eval_versions(steps: int, every: int) -> list[int]:
-    """Adapter versions evaluated on the held-out set: 0 (the base), every `every`-th published
-    version (every, 2*every, ... < steps; none when every = 0) and the final one, `steps`."""
-    mid = range(every, steps, every) if every > 0 else range(0)
-    return [0, *mid, steps]
 
 
 def due_evals(version: int, steps: int, every: int) -> list[int]:
@@ -148,9 +153,11 @@ def lane_weights(jobs: tuple[JobState, ...] | list[JobState]) -> dict[str, float
     return {j.id: j.weight / max(1, count.get(j.tenant, 0)) for j in jobs}
 
 
-def choose_trainer(jobs: tuple[JobState, ...] | list[JobState]) -> JobState | None:
-    """Weighted round-robin: the ready job first in `trainer_order`."""
-    ready = [j for j in jobs if j.ready and not j.done_training]
+def choose_trainer(jobs: tuple[JobState, ...] | list[JobState],
+                   tinker: tuple[JobState, ...] | list[JobState] = ()) -> JobState | None:
+    """Weighted round-robin: the ready job or Tinker model first in `trainer_order` (a model is one
+    of `tinker`, a candidate like a job whose step is ready: see `Snapshot.tinker`)."""
+    ready = [j for j in (*jobs, *tinker) if j.ready and not j.done_training]
     if not ready:
         return None
     return min(ready, key=trainer_order)
@@ -189,7 +196,7 @@ def _interleave_iter(jobs: tuple[JobState, ...]):
     while heap:
         _, rank, k = heap[0]
         j, limit = open_jobs[rank]
-        yield (ItemKind.GEN, j.id, j.dispatched + k)
+        yield WorkItem(ItemKind.GEN, j.id, j.dispatched + k)
         if j.dispatched + k + 1 < limit:
             heapq.heapreplace(heap, ((k + 2) / j.weight, rank, k + 1))
         else:
@@ -211,7 +218,7 @@ def _groups_in_order(jobs: tuple[JobState, ...], evals: list[Item], ahead: bool 
         for g in range(j.dispatched, min(_next_step_limit(j),
                                          admission_limit(j.version, j.staleness, j.groups_per_step, j.steps))):
             taken[j.id] = g + 1
-            yield (ItemKind.GEN, j.id, g)
+            yield WorkItem(ItemKind.GEN, j.id, g)
     yield from evals
     if not ahead:
         return
@@ -244,11 +251,11 @@ def _rows(item: Item, by_id: dict[str, JobState]) -> int:
 
 
 def plan(s: Snapshot) -> Plan:
-    """Decide what to dispatch: generation batches, re-verifications and the trainer's next job."""
+    """Decide what to dispatch: generation batches, re-verifications and the trainer's next job or
+    Tinker model."""
     by_id = {j.id: j for j in s.jobs}
-    out = Plan()
     expired = [it for it in s.expired if it[1] in by_id]
-    out.verify = [it for it in expired if it[0] in (ItemKind.VER, ItemKind.EVALVER)]
+    verify = [it for it in expired if it[0] in (ItemKind.VER, ItemKind.EVALVER)]
 
     # Work for the generate station, in priority order: lost work first, then the groups each job's
     # next train step still lacks (the trainer waits on them), then evaluations, then the other
@@ -256,29 +263,37 @@ def plan(s: Snapshot) -> Plan:
     # mixes tenants. "cont" items (a tool episode's next model turn) arrive as leases due at once.
     first = [it for it in expired if it[0] in (ItemKind.GEN, ItemKind.CONT, ItemKind.EVAL)]
     expired_evals = {(it[1], it[2]) for it in first if it[0] == ItemKind.EVAL}
-    evals = [(ItemKind.EVAL, j.id, v) for j in s.jobs for v in j.need_eval if (j.id, v) not in expired_evals]
+    evals = [WorkItem(ItemKind.EVAL, j.id, v) for j in s.jobs for v in j.need_eval if (j.id, v) not in expired_evals]
     ahead = not just_in_time(s.jobs, s.jit_jobs)
     todo = itertools.chain(first, _groups_in_order(s.jobs, evals, ahead))  # lazy: read only what fits
 
     free = max(0, s.gen_capacity - s.gen_inflight)
+    batches: list[list[Item]] = []
     it = next(todo, None) if free else None
-    while it is not None and len(out.gen_batches) < free:
+    while it is not None and len(batches) < free:
         batch, rows = [], 0
         while it is not None and (not batch or rows + _rows(it, by_id) <= s.batch_rows):
             batch.append(it)
             rows += _rows(it, by_id)
             it = next(todo, None)
-        out.gen_batches.append(batch)
+        batches.append(batch)
     if s.min_batch_rows > 0:
-        out.gen_batches = _hold_back(out.gen_batches, by_id, s.min_batch_rows)
-    out.relet = min(len(first), sum(len(b) for b in out.gen_batches))
-    for batch in out.gen_batches:
+        batches = _hold_back(batches, by_id, s.min_batch_rows)
+    dispatched: dict[str, int] = {}
+    for batch in batches:
         for kind, jid, g in batch:
             if kind == ItemKind.GEN and g >= by_id[jid].dispatched:
-                out.dispatched[jid] = max(out.dispatched.get(jid, 0), g + 1)
+                dispatched[jid] = max(dispatched.get(jid, 0), g + 1)
 
+    train, tinker, weight = None, None, 0.0
     if s.trainer_free:
-        j = choose_trainer(s.jobs)
-        if j is not None:
-            out.train = (j.id, j.version)
-    return out
+        pick = choose_trainer(s.jobs, s.tinker)
+        if pick is not None:
+            weight = lane_weights((*s.jobs, *s.tinker))[pick.id]  # fair per tenant, jobs and models alike
+            if pick.id in by_id:
+                train = (pick.id, pick.version)
+            else:
+                tinker = pick.id
+    return Plan(gen_batches=batches, dispatched=dispatched, verify=verify,
+                train=train, relet=min(len(first), sum(len(b) for b in batches)), tinker=tinker,
+                lane_weight=weight)

@@ -108,14 +108,13 @@ from marlaas.store.verifier_registry import VerifierRegistryOps
 from marlaas.store.work import WorkOps
 
 
-def resolve_url(url: str | None = None) -> str:
-    """The Redis URL: explicit, else MARLAAS_REDIS_URL, else the embedded server's recorded URL."""
+def resolve_url(url: str | None, settings) -> str:
+    """The Redis URL: explicit, else the settings' redis_url, else the embedded server's recorded URL."""
     if url:
         return url
-    s = get_settings()
-    if s.redis_url:
-        return s.redis_url
-    f = s.embedded_dir / "redis.url"
+    if settings.redis_url:
+        return settings.redis_url
+    f = settings.embedded_dir / "redis.url"
     if f.is_file():
         return f.read_text().strip()
     raise StoreUnavailable(
@@ -129,10 +128,20 @@ def _client(url: str) -> redis.Redis:
 
 
 class Store(JobOps, WorkOps, LaneOps, TenantOps, ObserveOps, HygieneOps, VerifierRegistryOps, TickOps):
-    """Typed access to the Redis store, one mixin per concern. Every method is one or a few round trips."""
+    """Typed access to the Redis store, one mixin per concern. Every method is one or a few round trips.
 
-    def __init__(self, url: str | None = None):
-        self.url = resolve_url(url)
+    `url`: the Redis URL; `lease_s`: how long a work item that moves to its next stage (generated ->
+    verify, continued -> verify) is leased. The process edges pass both; a value not passed comes
+    from the settings, read here and nowhere else in the store (`Store()` is the ordinary
+    construction in scripts, tests and the CLI)."""
+
+    def __init__(self, url: str | None = None, *, lease_s: float | None = None):
+        if url is None or lease_s is None:
+            s = get_settings()
+            lease_s = s.lease_s if lease_s is None else lease_s
+            url = resolve_url(url, s)
+        self.url = url
+        self.lease_s = lease_s
         self.r = _client(self.url)
         self._publish = self.r.register_script(scripts.PUBLISH)
         self._accept = self.r.register_script(scripts.ACCEPT_REWARDS)

@@ -11,7 +11,6 @@ a collection costs O(jobs collected), never a keyspace scan.
 
 from __future__ import annotations
 
-from marlaas.control.scheduler import eval_versions
 from marlaas.store.keys import (
     ENDED,
     adapter_key,
@@ -23,6 +22,7 @@ from marlaas.store.keys import (
     rows_key,
     verified_key,
 )
+from marlaas.types import eval_versions
 
 
 class HygieneOps:

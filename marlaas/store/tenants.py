@@ -12,6 +12,10 @@ from marlaas.store.keys import (
     tenant_active_key,
 )
 
+DEFAULT_PLAN_WEIGHT = 1.0
+"""The trainer-lane weight of the default plan (single-user mode, or a plan that sets none): the
+default of marlaas.api.tenancy.Quotas.weight (tests/unit/test_scheduler.py checks they agree)."""
+
 
 class TenantOps:
     """Tenants, tokens and the deployment (mixed into marlaas.store.Store)."""
@@ -32,6 +36,12 @@ class TenantOps:
     def tenant(self, name: str) -> dict | None:
         v = self.r.hget(TENANTS, name)
         return json.loads(v) if v is not None else None
+
+    def tenant_weight(self, name: str | None) -> float:
+        """The trainer-lane weight of the tenant's plan (the default plan's in single-user mode, or
+        for a tenant not registered): what the scheduler tick charges a Tinker model of the tenant."""
+        rec = self.tenant(name) if name is not None else None
+        return float(((rec or {}).get("quotas") or {}).get("weight", DEFAULT_PLAN_WEIGHT))
 
     def auth_enabled(self) -> bool:
         return bool(self.r.hlen(TENANTS))

@@ -6,7 +6,6 @@ import json
 import time
 import uuid
 
-from marlaas.settings import get_settings
 from marlaas.store.keys import (
     GEN_INFLIGHT,
     LEASES,
@@ -81,7 +80,7 @@ class WorkOps:
         for method, *args in extra:
             getattr(p, method)(*args)
         p.zrem(LEASES, done)
-        p.zadd(LEASES, {next_lease: time.time() + get_settings().lease_s})
+        p.zadd(LEASES, {next_lease: time.time() + self.lease_s})
         p.sadd(lease_index_key(parse_item(next_lease)[1]), next_lease)
         p.execute()
         return attempt
@@ -123,7 +122,7 @@ class WorkOps:
         return bool(self._replace(
             keys=[roll_key(jid, g), LEASES],
             args=[attempt, uuid.uuid4().hex, _group_json(data), "1", "", item_name(ItemKind.CONT, jid, g),
-                  item_name(ItemKind.VER, jid, g), time.time() + get_settings().lease_s],
+                  item_name(ItemKind.VER, jid, g), time.time() + self.lease_s],
         ))
 
     def drop_cont_lease(self, jid: str, g: int) -> bool:

@@ -173,8 +173,7 @@ def test_an_ended_jobs_bulk_data_goes_after_the_retention_period(st):
 
 
 @pytest.mark.integration
-def test_the_tick_collects_ended_jobs_early_while_the_store_is_over_its_share(st, monkeypatch):
-    from marlaas.settings import get_settings
+def test_the_tick_collects_ended_jobs_early_while_the_store_is_over_its_share(st):
     from marlaas.store import adapter_key, optim_key
 
     spec = JobSpec(tenant="t", task="sort", steps=2, prompts_per_step=2, group_size=4, eval_size=2)
@@ -188,8 +187,8 @@ def test_the_tick_collects_ended_jobs_early_while_the_store_is_over_its_share(st
     memory = dispatch.TickMemory()
     dispatch.tick(st, lambda msgs: None, memory=memory)  # under the share: within retention, kept
     assert st.r.exists(adapter_key(jid, 1), optim_key(jid)) == 2
-    monkeypatch.setattr(get_settings(), "admission_memory_fraction", used / cap / 2)
-    dispatch.tick(st, lambda msgs: None, now=time.time() + dispatch.GC_EVERY_S + 1, memory=memory)
+    over = dispatch.TickConfig(admission_memory_fraction=used / cap / 2)
+    dispatch.tick(st, lambda msgs: None, over, now=time.time() + dispatch.GC_EVERY_S + 1, memory=memory)
     assert st.r.exists(adapter_key(jid, 1), optim_key(jid)) == 0
     assert st.r.exists(adapter_key(jid, 2)) and st.job(jid).extra["collected"] == "1"
 

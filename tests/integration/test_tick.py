@@ -11,7 +11,7 @@ import pytest
 from marlaas.control import dispatch, scheduler
 from marlaas.control.scheduler import JobState, admission_limit
 from marlaas.spec import JobSpec
-from marlaas.store import item_name
+from marlaas.store import GEN_INFLIGHT, item_name
 
 
 def reference_interleave(jobs):
@@ -185,12 +185,10 @@ def test_snapshot_marks_only_the_trainers_pick_ready(st):
 
 
 @pytest.mark.integration
-def test_eval_lookups_stop_where_the_batches_are_full(st, monkeypatch):
-    from marlaas.settings import get_settings
-
-    monkeypatch.setattr(get_settings(), "gen_batch_rows", 4)  # eval rows 2 * (1 + 0): 2 evals a batch
+def test_eval_lookups_stop_where_the_batches_are_full(st):
+    config = dispatch.TickConfig(gen_batch_rows=4)  # eval rows 2 * (1 + 0): 2 evals a batch
     jobs = [make_job(st, f"t{i}", eval_k=0) for i in range(8)]  # every base evaluation needed
-    snap = dispatch.snapshot(st, time.time())  # no generate worker: capacity 2 batches
+    snap = dispatch.snapshot(st, time.time(), config)  # no generate worker: capacity 2 batches
     asked = [j.id for j in snap.jobs if j.need_eval]
     # budget 2 batches * max(4 rows, largest item 4) = 8 rows; a line is answered while the needed
     # rows so far are <= 8: after 2, 4, 6, 8 -> the 5th is still answered, then 10 > 8 stops
@@ -210,8 +208,8 @@ def test_tick_bench_publishes_through_celery(st, monkeypatch):
     monkeypatch.setenv("MARLAAS_REDIS_URL", st.url)  # _publisher points the sender at the scratch DB
     try:
         send = _publisher(st.url)
-        send([("marlaas.verify", ["j1", "train", [0, 1]]), ("marlaas.generate", ["b1", [["gen", "j1", 2]]]),
-              ("marlaas.verify", ["j2", "eval", [3]])])
+        send([("marlaas.verify", ["j1", "ver", [0, 1]]), ("marlaas.generate", ["b1", [["gen", "j1", 2]]]),
+              ("marlaas.verify", ["j2", "evalver", [3]])])
         assert (st.r.llen("verify"), st.r.llen("generate")) == (2, 1)  # Celery's Redis queues are lists
         body = json.loads(st.r.lindex("generate", 0))
         assert body["headers"]["task"] == "marlaas.generate" and "batch=b1" in body["headers"]["argsrepr"]
@@ -234,26 +232,46 @@ def test_expired_verifications_go_out_one_message_per_job(st):
     sent: list = []
     dispatch.tick(st, sent.extend)
     verify = [a for n, a in sent if n == "marlaas.verify"]
-    assert len(verify) == 1 and verify[0][1] == "train" and sorted(verify[0][2]) == [12, 13, 14, 15]
+    assert len(verify) == 1 and verify[0][1] == "ver" and sorted(verify[0][2]) == [12, 13, 14, 15]
 
 
 @pytest.mark.integration
-def test_watchdog_fails_a_job_that_makes_no_progress(st, monkeypatch):
-    from marlaas.settings import get_settings
+def _watch(st, now: float, memory) -> list[str]:
+    """A tick's first two steps: the snapshot (reads only), then the watchdog (stall_s 100 s)."""
+    dispatch.snapshot(st, now, memory=memory)
+    return dispatch.watchdog(st, now, 100.0, memory)
 
-    monkeypatch.setattr(get_settings(), "stall_s", 100.0)
+
+@pytest.mark.integration
+def test_watchdog_fails_a_job_that_makes_no_progress(st):
     stuck, moving = make_job(st, "a"), make_job(st, "b")
     memory = dispatch.TickMemory()
     t0 = time.time()
-    dispatch.snapshot(st, t0, memory)
+    assert _watch(st, t0, memory) == []
     st.advance_dispatched(moving, 1)  # progress: its clock starts again
-    snap = dispatch.snapshot(st, t0 + 60, memory)
-    assert {j.id for j in snap.jobs} == {stuck, moving}
-    snap = dispatch.snapshot(st, t0 + 101, memory)
-    assert [j.id for j in snap.jobs] == [moving]
+    assert _watch(st, t0 + 60, memory) == []
+    snap = dispatch.snapshot(st, t0 + 101, memory=memory)  # reading fails nobody
+    assert {j.id for j in snap.jobs} == {stuck, moving} and st.job(stuck).status == "running"
+    assert dispatch.watchdog(st, t0 + 101, 100.0, memory) == [stuck]
+    assert [j.id for j in dispatch.snapshot(st, t0 + 102, memory=memory).jobs] == [moving]
     rec = st.job(stuck)
     assert rec.status == "failed" and rec.extra["error"].startswith("no progress for 100 s")
     assert st.job(moving).status == "running"
+
+
+@pytest.mark.integration
+def test_the_tick_plans_without_the_jobs_its_watchdog_failed(st):
+    stuck = make_job(st, "a")
+    memory, config = dispatch.TickMemory(), dispatch.TickConfig(stall_s=100.0)
+    t0 = time.time()
+    dispatch.tick(st, lambda msgs: None, config, now=t0, memory=memory)
+    st.r.hset(f"m:job:{stuck}", "dispatched", 0)  # as if its work had never gone out: no progress
+    st.sync_rows([stuck])
+    st.r.delete(GEN_INFLIGHT)  # the generate station is free: without the watchdog, group 0 would go out
+    sent: list = []
+    plan = dispatch.tick(st, sent.extend, config, now=t0 + 101, memory=memory)
+    assert st.job(stuck).status == "failed"
+    assert plan is not None and plan.gen_batches == [] and plan.dispatched == {} and sent == []
 
 
 def make_ready(st, jobs: list[str], P: int) -> None:
@@ -324,21 +342,17 @@ def test_a_tinker_model_shares_the_trainer_lane_fairly_with_jobs(st):
 
 
 @pytest.mark.integration
-def test_watchdog_spares_a_job_waiting_for_its_trainer_turn(st, monkeypatch):
-    from marlaas.settings import get_settings
+def test_watchdog_spares_a_job_waiting_for_its_trainer_turn(st):
     from marlaas.store import VT
 
-    monkeypatch.setattr(get_settings(), "stall_s", 100.0)
     waiting = make_job(st, "a")
     st.r.hset(f"m:job:{waiting}", "pass", 5.0)  # other tenants are ahead of it on the lane
     st.sync_rows([waiting])
     st.r.set(VT, 2.0)
     memory = dispatch.TickMemory()
     t0 = time.time()
-    dispatch.snapshot(st, t0, memory)
-    dispatch.snapshot(st, t0 + 101, memory)
+    assert _watch(st, t0, memory) == [] and _watch(st, t0 + 101, memory) == []
     assert st.job(waiting).status == "running"
     st.r.set(VT, 6.0)  # its turn came and went: now it is stalled
-    dispatch.snapshot(st, t0 + 202, memory)
-    dispatch.snapshot(st, t0 + 303, memory)
+    assert _watch(st, t0 + 202, memory) == [waiting]  # its clock restarted at t0 + 101
     assert st.job(waiting).status == "failed"

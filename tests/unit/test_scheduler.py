@@ -252,3 +252,76 @@ def test_just_in_time_and_min_fill_exclude_each_other(monkeypatch):
     monkeypatch.setenv("MARLAAS_GEN_MIN_FILL", "0.9")
     with pytest.raises(ValidationError, match="MARLAAS_GEN_JIT_JOBS and MARLAAS_GEN_MIN_FILL exclude each other"):
         Settings()
+
+
+def model(mid="m1", **kw):
+    """A Tinker model wanting the trainer lane, as the tick's snapshot reads it."""
+    base = dict(id=mid, version=0, steps=1 << 30, staleness=0, groups_per_step=1, group_size=1, dispatched=0,
+                ready=True)
+    base.update(kw)
+    return JobState(**base)
+
+
+def test_the_lane_goes_to_the_job_or_the_tinker_model_first_in_trainer_order():
+    jobs = (job("j1", ready=True, pass_value=2.0, tenant="a"), job("j2", pass_value=0.0, tenant="a"))
+    behind = plan(Snapshot(jobs=jobs, tinker=(model("m1", pass_value=1.0, tenant="b", weight=2.0),)))
+    assert (behind.train, behind.tinker, behind.lane_weight) == (None, "m1", 2.0)  # lowest pass: the model
+    ahead = plan(Snapshot(jobs=jobs, tinker=(model("m1", pass_value=3.0, tenant="b"),)))
+    # the job wins; its tenant's weight 1 is split over its 2 jobs still training
+    assert (ahead.train, ahead.tinker, ahead.lane_weight) == (("j1", 0), None, 0.5)
+    tie = plan(Snapshot(jobs=jobs, tinker=(model("m1", pass_value=2.0, tenant="b"),)))
+    assert (tie.train, tie.tinker) == (("j1", 0), None)  # equal pass: ties by (id number, id): (1, "j1") first
+    busy = plan(Snapshot(jobs=jobs, trainer_free=False, tinker=(model("m1", tenant="b"),)))
+    assert (busy.train, busy.tinker) == (None, None)
+    assert choose_trainer(jobs, (model("m1", pass_value=1.5),)).id == "m1"
+    assert choose_trainer((), ()) is None
+
+
+def test_a_tinker_model_shares_its_tenants_weight_with_the_tenants_jobs():
+    jobs = (job("j1", ready=True, pass_value=9.0, tenant="a", weight=3.0),)
+    p = plan(Snapshot(jobs=jobs, tinker=(model("m7", tenant="a", weight=3.0),)))
+    assert (p.tinker, p.lane_weight) == ("m7", 1.5)  # tenant a's weight 3 over its job and its model
+
+
+def test_stride_scheduling_over_jobs_and_tinker_models_keeps_the_shares():
+    """300 lane grants between two jobs of tenant a (weight 1) and one model of tenant b (weight 1):
+    per-tenant fairness, the model alone gets tenant b's half."""
+    passes = {"j1": 0.0, "j2": 0.0, "m3": 0.0}
+    picks = Counter()
+    for _ in range(300):
+        jobs = tuple(job(j, ready=True, tenant="a", pass_value=passes[j]) for j in ("j1", "j2"))
+        p = plan(Snapshot(jobs=jobs, tinker=(model("m3", tenant="b", pass_value=passes["m3"]),)))
+        pick = p.train[0] if p.train else p.tinker
+        picks[pick] += 1
+        passes[pick] += 1 / p.lane_weight
+    assert picks == {"j1": 75, "j2": 75, "m3": 150}
+
+
+def test_a_plan_is_frozen():
+    p = plan(Snapshot(jobs=(job("j1", ready=True),)))
+    with pytest.raises(AttributeError):
+        p.train = None
+
+
+def test_work_items_and_their_wire_forms():
+    from marlaas.types import ItemKind, WorkItem, eval_request_key, is_eval_request, parse_eval_request
+
+    it = WorkItem(ItemKind.VER, "j3", 12)
+    assert it.name == "ver|j3|12" and WorkItem.parse(it.name) == it == ("ver", "j3", 12)
+    assert WorkItem.parse(b"evalver|j3|4").kind is ItemKind.EVALVER
+    assert WorkItem.of(["gen", "j1", 5]) == WorkItem(ItemKind.GEN, "j1", 5) and list(it) == ["ver", "j3", 12]
+    with pytest.raises(ValueError):
+        WorkItem.parse("train|j3|12")  # the old verify word is not a kind
+    with pytest.raises(ValueError):
+        WorkItem.of(["eval", "j1"])
+    greedy, sampled = eval_request_key("j2", 3, 7, sampled=False), eval_request_key("j2", 3, 7, sampled=True)
+    assert greedy != sampled and is_eval_request(greedy) and is_eval_request(sampled)
+    assert not is_eval_request(WorkItem(ItemKind.GEN, "j2", 3).name) and not is_eval_request("evalver|j2|3")
+    assert parse_eval_request(greedy) == ("j2", 3, 7, False) and parse_eval_request(sampled) == ("j2", 3, 7, True)
+
+
+def test_the_default_plan_weight_is_the_stores_fallback():
+    from marlaas.api.tenancy import Quotas
+    from marlaas.store.tenants import DEFAULT_PLAN_WEIGHT
+
+    assert Quotas().weight == DEFAULT_PLAN_WEIGHT
