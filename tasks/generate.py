@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
-
-from marlaas import families
-from marlaas.generate.station import run_generate_isolated
+from marlaas.generate.station import run_generate_isolated, verify_messages
 from marlaas.settings import get_settings
+from marlaas.types import WorkItem
 from tasks.app import app
 from tasks.common import base_dir, kick, send, station_event, store
 
@@ -28,27 +26,15 @@ def engine():
     return _engine
 
 
-@lru_cache(maxsize=65536)
-def _uses_tool(jid: str) -> bool:
-    return families.tool_of(store().spec(jid)) is not None
-
-
 @app.task(name="marlaas.generate", ignore_result=True)
 def generate(batch_id: str, items: list[list]) -> dict:
-    jobs = [it[1] for it in items]
-    to_verify: dict = {}
+    """A batch of [kind, job, idx] items: run the station, send its verify messages, kick a tick."""
+    work = [WorkItem.of(it) for it in items]
+    to_verify: list[WorkItem] = []
     try:
-        with station_event("generate", jobs, items=len(items), batch=batch_id):
-            to_verify = run_generate_isolated(store(), engine(), items)
-        # A tool task's groups of the whole batch go in one message (their tool calls then overlap);
-        # every other job's in its own (the CPU pool's processes share those).
-        messages, tool = [], []
-        for (jid, kind), idxs in to_verify.items():
-            if kind == "train" and _uses_tool(jid):
-                tool.append([jid, kind, idxs])
-            else:
-                messages.append(("marlaas.verify", [jid, kind, idxs]))
-        send(messages + ([("marlaas.verify_many", [tool])] if tool else []))
+        with station_event("generate", [it.job for it in work], items=len(work), batch=batch_id):
+            to_verify = run_generate_isolated(store(), engine(), work, get_settings().tool_url)
+        send(verify_messages(store(), to_verify))
     finally:
         store().end_gen_batch(batch_id)
         kick()

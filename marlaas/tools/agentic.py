@@ -29,10 +29,22 @@ import logging
 from dataclasses import dataclass, field
 
 from marlaas.control import scheduler
+from marlaas.settings import Settings
 from marlaas.tools import calculator, episodes
-from marlaas.types import AdapterRef, Completion, GenRequest, GenResult, adapter_for
+from marlaas.types import (
+    AdapterRef,
+    Completion,
+    GenRequest,
+    GenResult,
+    ItemKind,
+    adapter_for,
+    is_eval_request,
+    item_name,
+)
 
 log = logging.getLogger("marlaas.tools.agentic")
+DEFAULT_TOOL_URL: str = Settings.model_fields["tool_url"].default
+"""The stations' default tool server (Settings' default); the process edges pass the configured one."""
 
 
 def first_turns(completions: list[Completion]) -> list[dict]:
@@ -79,7 +91,7 @@ def continuation(store, tokenizer, jid: str, g: int, spec, t: int) -> Continuati
     for i, c in enumerate(comps):
         if c.get("done", True):
             continue
-        key = f"cont|{jid}|{g}|{i}"
+        key = f"{item_name(ItemKind.CONT, jid, g)}|{i}"  # one request per unfinished episode
         cont.keys[key] = i
         cont.requests.append(GenRequest(
             key=key, prompt=episodes.context(prompt, c), adapter=adapter_for(jid, v), n=1,
@@ -159,7 +171,7 @@ def finish_eval_episodes(engine, requests: list[GenRequest], results: list[GenRe
     eps: dict[tuple[int, int], dict] = {}
     for ri, res in enumerate(results):
         req = reqs[res.key]
-        if req.stop and req.key.startswith("eval"):
+        if req.stop and is_eval_request(req.key):
             for ci, ep in enumerate(first_turns(res.completions)):
                 eps[(ri, ci)] = ep
     for _turn in range(max_turns - 1):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 
 from marlaas.errors import VerifierError
+from marlaas.types import ItemKind
 from marlaas.verify.graders import GraderLoadError, grade_groups
 from marlaas.verify.registry import resolve
 from marlaas.verify.verifiers import BUILTIN, GroupScore, score_groups
@@ -40,9 +41,10 @@ def _fail(store, jid: str, reason: str) -> None:
 
 
 def score_job(store, jid: str, spec, items: list[tuple[dict, list[str]]],
-              kind: str = "train") -> list[GroupScore] | None:
+              kind: str = ItemKind.VER) -> list[GroupScore] | None:
     """Scores of the groups, in order; None when the job was just failed (its grader cannot load or
-    kept failing)."""
+    kept failing). `kind`: VER (training groups: a grader failing on every completion is policed) or
+    EVALVER (an evaluation)."""
     policed = spec.grader is not None
     try:
         if spec.grader is not None:
@@ -56,7 +58,7 @@ def score_job(store, jid: str, spec, items: list[tuple[dict, list[str]]],
     except (GraderLoadError, VerifierError) as e:
         _fail(store, jid, f"grader cannot load: {e}")
         return None
-    if policed and kind == "train" and scores:
+    if policed and kind == ItemKind.VER and scores:
         return scores if _streak(store, jid, items, scores) else None
     return scores
 

@@ -119,15 +119,33 @@ def _clean_env() -> dict[str, str]:
     return {}
 
 
+_service_home: str | None = None
+
+
+def set_service_home(path: str | os.PathLike) -> None:
+    """The service's home directory (Settings.home: the store's credentials, logs, the embedded
+    stack), hidden from every sandboxed program. Set by the process edge that runs the sandbox
+    (workers/verify.py) from its settings, before any program runs."""
+    global _service_home
+    _service_home = str(path)
+
+
+def _home() -> str:
+    """The configured service home; in a process whose edge did not set it, the settings' home, read
+    here as the one fallback: hiding the home fails closed, never open."""
+    if _service_home is None:
+        from marlaas.settings import get_settings
+
+        return str(get_settings().home)
+    return _service_home
+
+
 def _policy() -> dict:
     """The sandbox policy of this deployment: fail closed without the seccomp socket filter unless
     MARLAAS_SANDBOX_STRICT=0, and the service directories to hide from programs."""
-    from marlaas.settings import get_settings
-
-    home = str(get_settings().home)
     project = str(Path(__file__).resolve().parents[2])
     return {"strict": os.environ.get("MARLAAS_SANDBOX_STRICT", "1") != "0",
-            "hide": [home, project, os.path.expanduser("~")]}
+            "hide": [_home(), project, os.path.expanduser("~")]}
 
 
 def _run(programs: list[str], limits: Limits) -> dict:

@@ -1,7 +1,9 @@
 """The verify station's task: score groups and held-out evaluations, accept rewards per attempt.
 
 Idempotent and Celery-free (tasks/verify.py wraps it): a duplicate verify rewrites the same rewards,
-and rewards are accepted only for the rollout attempt they were computed on.
+and rewards are accepted only for the rollout attempt they were computed on. Work comes in the kinds
+the leases name (marlaas.types.ItemKind): VER (groups) and EVALVER (evaluations, idx = version).
+Settings come in as arguments (`tool_url`), read by the process edge.
 """
 
 from __future__ import annotations
@@ -10,47 +12,53 @@ import logging
 import time
 
 from marlaas import families
-from marlaas.control import scheduler
-from marlaas.settings import get_settings
 from marlaas.store import Store
 from marlaas.tools import agentic
-from marlaas.types import ACTIVE_STATUSES
+from marlaas.types import ACTIVE_STATUSES, ItemKind, eval_versions
 from marlaas.verify import evaluation
 
 log = logging.getLogger("marlaas.verify")
 
 
-def run_verify_many(store: Store, items: list[tuple[str, str, list[int]]]) -> int:
+def run_verify_many(store: Store, items: list[tuple[str, str, list[int]]],
+                    tool_url: str = agentic.DEFAULT_TOOL_URL) -> int:
     """Several jobs' (job, kind, idxs) in one task: the tool calls of all the tool jobs' groups go
     out in one concurrent round (agentic.advance_many), then each item is scored as run_verify does.
     A verify task then waits one tool latency for a whole generate batch, not one per job."""
     tool_jobs = []
     for jid, kind, idxs in items:
-        if kind == "train" and store.job_fields(jid, "status")[0] in ACTIVE_STATUSES \
+        if ItemKind(kind) == ItemKind.VER and store.job_fields(jid, "status")[0] in ACTIVE_STATUSES \
                 and families.tool_of(store.spec(jid)):
             tool_jobs.append((jid, [(g, r) for g in idxs if (r := store.rollout(jid, g)) is not None]))
-    advanced = agentic.advance_many(store, tool_jobs, get_settings().tool_url) if tool_jobs else {}
-    return sum(run_verify(store, jid, kind, idxs, advanced=advanced.get(jid) if kind == "train" else None)
+    advanced = agentic.advance_many(store, tool_jobs, tool_url) if tool_jobs else {}
+    return sum(run_verify(store, jid, kind, idxs, tool_url,
+                          advanced=advanced.get(jid) if ItemKind(kind) == ItemKind.VER else None)
                for jid, kind, idxs in items)
 
 
-def run_verify(store: Store, jid: str, kind: str, idxs: list[int], advanced: list | None = None) -> int:
-    """Score groups (kind 'train') or a held-out evaluation (kind 'eval'); returns items accepted.
-    `advanced`: a tool job's groups already through their tool calls (run_verify_many)."""
+def run_verify(store: Store, jid: str, kind: str, idxs: list[int], tool_url: str = agentic.DEFAULT_TOOL_URL,
+               advanced: list | None = None) -> int:
+    """Score groups (kind VER: idxs are group indices) or held-out evaluations (kind EVALVER: idxs
+    are versions); returns items accepted. ValueError for any other kind. `tool_url`: the tool
+    server of tool episodes; `advanced`: a tool job's groups already through their tool calls
+    (run_verify_many)."""
     from marlaas.verify.job_scoring import score_job
 
+    kind = ItemKind(kind)
+    if kind not in (ItemKind.VER, ItemKind.EVALVER):
+        raise ValueError(f"verify takes {ItemKind.VER.value!r} or {ItemKind.EVALVER.value!r} items, not {kind.value!r}")
     status = store.job_fields(jid, "status")[0]
     if status not in ACTIVE_STATUSES:
         return 0
     spec = store.spec(jid)
     accepted = 0
-    if kind == "train":
+    if kind == ItemKind.VER:
         if advanced is not None:
             rolls = advanced
         else:
             rolls = [(g, r) for g in idxs if (r := store.rollout(jid, g)) is not None]
             if families.tool_of(spec):  # groups with pending tool calls go back to generate (agentic)
-                rolls = agentic.advance_groups(store, jid, rolls, get_settings().tool_url)
+                rolls = agentic.advance_groups(store, jid, rolls, tool_url)
         scores = score_job(store, jid, spec, [(r["row"], [c["text"] for c in r["completions"]]) for _, r in rolls])
         if scores is None:  # the job's grader cannot load or kept failing: the job was failed
             return 0
@@ -66,7 +74,7 @@ def run_verify(store: Store, jid: str, kind: str, idxs: list[int], advanced: lis
             continue
         # One scoring call per row: the greedy completion first, then its sampled ones (if any).
         scores = score_job(store, jid, spec, [(r["row"], [r["text"], *r.get("samples", [])]) for r in ev["rows"]],
-                           "eval")
+                           ItemKind.EVALVER)
         if scores is None:
             return accepted
         sampled = [s.rewards[1:] for s in scores] if all(r.get("samples") for r in ev["rows"]) else None
@@ -78,6 +86,6 @@ def run_verify(store: Store, jid: str, kind: str, idxs: list[int], advanced: lis
             for r, s in zip(ev["rows"], scores)])
         store.put_eval_result(jid, v, result)
         accepted += 1
-        if all(store.has_evals(jid, scheduler.eval_versions(spec.steps, spec.eval_every))):
+        if all(store.has_evals(jid, eval_versions(spec.steps, spec.eval_every))):
             store.set_status(jid, "done")
     return accepted

@@ -173,7 +173,7 @@ def test_verify_stores_pass_at_k_and_done_waits_for_every_evaluated_version(st):
     for v in (4, 0, 2):  # the final one first: the job is done only once all three are stored
         st.put_eval_rollout(jid, v, {"rows": [
             {"row": eval_rows[i], "text": greedy[v][i], "samples": samples[v][i]} for i in range(2)]})
-        assert run_verify(st, jid, "eval", [v]) == 1
+        assert run_verify(st, jid, "evalver", [v]) == 1
         assert st.job_fields(jid, "status")[0] == ("done" if v == 2 else "evaluating")
     ev = st.evals(jid)
     assert set(ev) == {0, 2, 4}

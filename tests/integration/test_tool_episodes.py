@@ -13,7 +13,7 @@ from marlaas.spec import JobSpec
 from marlaas.store import LEASES, item_name
 from marlaas.tools import calculator, episodes
 from marlaas.train.station import train_batch
-from marlaas.types import GenRequest
+from marlaas.types import GenRequest, ItemKind, WorkItem
 from marlaas.verify.station import run_verify, run_verify_many
 
 pytestmark = pytest.mark.integration
@@ -82,19 +82,19 @@ def test_a_group_goes_around_verify_and_generate_until_final(st, engine, calc_ur
     first = st.put_rollout(jid, 0, 0, {"row": ROW, "row_idx": 0, "completions": comps})
 
     # verify: two calls (one refused by the calculator: an error result), the group goes back to generate
-    assert run_verify(st, jid, "train", [0]) == 0
+    assert run_verify(st, jid, "ver", [0]) == 0
     roll = st.rollout(jid, 0)
     assert roll["awaiting_cont"] and roll["attempt"] != first and "rewards" not in roll
     assert [c.get("pending") for c in roll["completions"]] == ["=1786;", None, "=err;"]
     assert _lease(st, "cont", jid, 0) == 0 and _lease(st, "ver", jid, 0) is None
     assert st.job_fields(jid, "tool_calls", "tool_errors") == ["2", "1"]
     # a redelivered verify of the same group while it awaits its continuation does nothing
-    assert run_verify(st, jid, "train", [0]) == 0
+    assert run_verify(st, jid, "ver", [0]) == 0
     assert st.rollout(jid, 0)["attempt"] == roll["attempt"]
 
     # generate continues the two unfinished episodes with the group's own version
     to_verify = run_generate(st, engine, [["cont", jid, 0]])
-    assert to_verify == {(jid, "train"): [0]}
+    assert to_verify == [WorkItem(ItemKind.VER, jid, 0)]
     cont = st.rollout(jid, 0)
     assert not cont["awaiting_cont"] and cont["version"] == 0
     assert _lease(st, "cont", jid, 0) is None and _lease(st, "ver", jid, 0) > time.time()
@@ -109,14 +109,14 @@ def test_a_group_goes_around_verify_and_generate_until_final(st, engine, calc_ur
 
     # a duplicated continuation is a no-op and drops its own lease (the group awaits none)
     st.lease([item_name("cont", jid, 0)], 60)
-    assert run_generate(st, engine, [["cont", jid, 0]]) == {}
+    assert run_generate(st, engine, [["cont", jid, 0]]) == []
     assert st.rollout(jid, 0)["attempt"] == cont["attempt"] and _lease(st, "cont", jid, 0) is None
 
     # verify again until every episode is final, then the group is scored on final answers
     for _ in range(episodes.MAX_TURNS):
-        if run_verify(st, jid, "train", [0]):
+        if run_verify(st, jid, "ver", [0]):
             break
-        assert run_generate(st, engine, [["cont", jid, 0]]) == {(jid, "train"): [0]}
+        assert run_generate(st, engine, [["cont", jid, 0]]) == [(ItemKind.VER, jid, 0)]
     final = st.rollout(jid, 0)
     assert episodes.all_done(final["completions"]) and "rewards" in final
     want = [1.0 if episodes.final_answer(c["text"]) == "1786" else 0.0 for c in final["completions"]]
@@ -144,12 +144,12 @@ def test_stale_writes_are_refused_and_regeneration_clears_continuations(st, engi
     # a redelivered generate of the group replaces it: the continuation finds nothing to continue
     st.put_rollout(jid, 0, 0, {"row": ROW, "row_idx": 0, "completions": [_episode(tok, "2", True)] * 2})
     assert not st.put_continuation(jid, 0, a2, data)
-    assert run_generate(st, engine, [["cont", jid, 0]]) == {} and _lease(st, "cont", jid, 0) is None
+    assert run_generate(st, engine, [["cont", jid, 0]]) == [] and _lease(st, "cont", jid, 0) is None
     # a group whose version fell out of the staleness bound is regenerated, not continued
     a3 = st.rollout(jid, 0)["attempt"]
     assert st.request_continuation(jid, 0, a3, data)
     st.r.hset(f"m:job:{jid}", "version", 1)  # the job moved on (S = 0)
-    assert run_generate(st, engine, [["cont", jid, 0]]) == {}
+    assert run_generate(st, engine, [["cont", jid, 0]]) == []
     assert st.rollout(jid, 0) is None and _lease(st, "cont", jid, 0) is None and _lease(st, "gen", jid, 0) == 0
     assert st.job_fields(jid, "regenerated") == ["1"]
 
@@ -193,7 +193,7 @@ def test_one_verify_task_calls_the_tool_once_for_several_jobs(st, engine, calc_u
     real = calculator.call_many
     monkeypatch.setattr(calculator, "call_many",
                         lambda url, exprs, **kw: rounds.append(list(exprs)) or real(url, exprs, **kw))
-    accepted = run_verify_many(st, [(a, "train", [0]), (b, "train", [0]), (plain, "train", [0])])
+    accepted = run_verify_many(st, [(a, "ver", [0]), (b, "ver", [0]), (plain, "ver", [0])])
     assert rounds == [["47*38", "2*3", "4+4"]]  # one round for both tool jobs
     assert accepted == 1 and "rewards" in st.rollout(plain, 0)  # the plain job's group is scored
     for jid, want in ((a, ["=1786;", None]), (b, ["=6;", "=8;"])):
