@@ -1,7 +1,6 @@
 """Tool episodes across the stations, against a real Redis, the real HF engine on the tiny base and
 a real calculator service: attempts and leases of continuations, stop tokens, the loss mask."""
 
-import os
 import threading
 import time
 
@@ -23,22 +22,12 @@ ROW = {"prompt": "calc:47*38=", "answer": "1786"}
 
 @pytest.fixture(scope="module")
 def calc_url():
-    from marlaas.settings import get_settings
-
+    """A calculator server; its URL is passed to the stations (as the workers pass Settings.tool_url)."""
     server = calculator.make_server("127.0.0.1", 0, latency_ms=10)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    old = os.environ.get("MARLAAS_TOOL_URL")
-    os.environ["MARLAAS_TOOL_URL"] = url
-    get_settings.cache_clear()
-    yield url
+    yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
-    if old is None:
-        os.environ.pop("MARLAAS_TOOL_URL", None)
-    else:
-        os.environ["MARLAAS_TOOL_URL"] = old
-    get_settings.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -82,18 +71,18 @@ def test_a_group_goes_around_verify_and_generate_until_final(st, engine, calc_ur
     first = st.put_rollout(jid, 0, 0, {"row": ROW, "row_idx": 0, "completions": comps})
 
     # verify: two calls (one refused by the calculator: an error result), the group goes back to generate
-    assert run_verify(st, jid, "ver", [0]) == 0
+    assert run_verify(st, jid, "ver", [0], calc_url) == 0
     roll = st.rollout(jid, 0)
     assert roll["awaiting_cont"] and roll["attempt"] != first and "rewards" not in roll
     assert [c.get("pending") for c in roll["completions"]] == ["=1786;", None, "=err;"]
     assert _lease(st, "cont", jid, 0) == 0 and _lease(st, "ver", jid, 0) is None
     assert st.job_fields(jid, "tool_calls", "tool_errors") == ["2", "1"]
     # a redelivered verify of the same group while it awaits its continuation does nothing
-    assert run_verify(st, jid, "ver", [0]) == 0
+    assert run_verify(st, jid, "ver", [0], calc_url) == 0
     assert st.rollout(jid, 0)["attempt"] == roll["attempt"]
 
     # generate continues the two unfinished episodes with the group's own version
-    to_verify = run_generate(st, engine, [["cont", jid, 0]])
+    to_verify = run_generate(st, engine, [["cont", jid, 0]], calc_url)
     assert to_verify == [WorkItem(ItemKind.VER, jid, 0)]
     cont = st.rollout(jid, 0)
     assert not cont["awaiting_cont"] and cont["version"] == 0
@@ -109,14 +98,14 @@ def test_a_group_goes_around_verify_and_generate_until_final(st, engine, calc_ur
 
     # a duplicated continuation is a no-op and drops its own lease (the group awaits none)
     st.lease([item_name("cont", jid, 0)], 60)
-    assert run_generate(st, engine, [["cont", jid, 0]]) == []
+    assert run_generate(st, engine, [["cont", jid, 0]], calc_url) == []
     assert st.rollout(jid, 0)["attempt"] == cont["attempt"] and _lease(st, "cont", jid, 0) is None
 
     # verify again until every episode is final, then the group is scored on final answers
     for _ in range(episodes.MAX_TURNS):
-        if run_verify(st, jid, "ver", [0]):
+        if run_verify(st, jid, "ver", [0], calc_url):
             break
-        assert run_generate(st, engine, [["cont", jid, 0]]) == [(ItemKind.VER, jid, 0)]
+        assert run_generate(st, engine, [["cont", jid, 0]], calc_url) == [(ItemKind.VER, jid, 0)]
     final = st.rollout(jid, 0)
     assert episodes.all_done(final["completions"]) and "rewards" in final
     want = [1.0 if episodes.final_answer(c["text"]) == "1786" else 0.0 for c in final["completions"]]
@@ -193,7 +182,7 @@ def test_one_verify_task_calls_the_tool_once_for_several_jobs(st, engine, calc_u
     real = calculator.call_many
     monkeypatch.setattr(calculator, "call_many",
                         lambda url, exprs, **kw: rounds.append(list(exprs)) or real(url, exprs, **kw))
-    accepted = run_verify_many(st, [(a, "ver", [0]), (b, "ver", [0]), (plain, "ver", [0])])
+    accepted = run_verify_many(st, [(a, "ver", [0]), (b, "ver", [0]), (plain, "ver", [0])], calc_url)
     assert rounds == [["47*38", "2*3", "4+4"]]  # one round for both tool jobs
     assert accepted == 1 and "rewards" in st.rollout(plain, 0)  # the plain job's group is scored
     for jid, want in ((a, ["=1786;", None]), (b, ["=6;", "=8;"])):
