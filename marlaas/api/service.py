@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from marlaas.api import access, admission, tenancy
-from marlaas.api.access import Limits, Principal  # noqa: F401  (Principal re-exported)
+from marlaas.api.access import Limits, Principal
 from marlaas.api.datasets_io import SUFFIXES, read_records
 from marlaas.control.scheduler import eval_versions
 from marlaas.errors import (
