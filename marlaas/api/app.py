@@ -24,10 +24,9 @@ from marlaas.api.deps import loopback
 from marlaas.api.middleware import BodyLimit, install_error_handlers
 from marlaas.api.models import ErrorOut
 from marlaas.api.ratelimit import RateLimiter
-from marlaas.api.routes import files, graders, health, jobs, tenants, verifiers
+from marlaas.api.routes import files, graders, health, jobs, tenants, tinker, verifiers
 from marlaas.api.service import Service
 from marlaas.api.settings import ApiSettings
-from marlaas.api.tinker.routes import tinker_router
 from marlaas.errors import MarlaasError
 from marlaas.settings import get_settings
 from marlaas.store import Store
@@ -48,8 +47,7 @@ def create_app(store_url: str | None = None, home: Path | None = None, *, open: 
     app.state.service, app.state.settings, app.state.limiter = service, s, RateLimiter(s.rate, s.burst)
     app.add_middleware(BodyLimit, max_body=s.max_body_bytes, max_file=s.max_file_bytes, upload_path=files.PATH)
     install_error_handlers(app)
-    app.include_router(tinker_router(service, app.state.limiter))  # the Tinker wire protocol under /api/v1
-    for module in (health, jobs, files, tenants, graders, verifiers):
+    for module in (health, jobs, files, tenants, graders, verifiers, tinker):  # tinker: the Tinker wire protocol
         app.include_router(module.router)
     return app
 

@@ -9,6 +9,7 @@ plain PEFT, and the SDK's own error types for a bad key (401) and an unknown mod
 from __future__ import annotations
 
 import io
+import json
 import os
 import tarfile
 
@@ -131,3 +132,63 @@ def test_the_sdk_end_to_end(worker_stack, tiny_base, api_key, tmp_path):
         tinker.ServiceClient(base_url=url, api_key=other).create_sampling_client(model_path=s0_path).result()
     with pytest.raises(tinker.AuthenticationError):  # the client connects on its first call
         tinker.ServiceClient(base_url=url, api_key="tml-not-a-token").get_server_capabilities()
+
+
+def test_another_tenants_objects_answer_as_missing_ones(worker_stack, api_key, home):
+    """Another tenant's model, sampler, checkpoint and future are 404 with the message of an unknown id;
+    the operator credential cannot train (403)."""
+    from marlaas.api import tenancy
+    from marlaas.api.service import operator_token
+    from marlaas.store import Store
+
+    url = os.environ["MARLAAS_API_URL"] + "/api/v1/"
+    own = {"X-API-Key": api_key}
+    other = {"X-API-Key": "tml-" + tenancy.add_tenant(Store(), "tinker-peer")}
+
+    def call(method: str, path: str, body: dict | None, headers: dict) -> httpx.Response:
+        return httpx.request(method, url + path, json=body, headers=headers, timeout=60)
+
+    base = call("GET", "get_server_capabilities", None, own).json()["supported_models"][0]["model_name"]
+    sid = call("POST", "create_session", {}, own).json()["session_id"]
+    made = call("POST", "create_model", {"session_id": sid, "base_model": base, "lora_config": {"rank": 2}},
+                own).json()
+    mid, rid = made["model_id"], made["request_id"]
+    ss = call("POST", "create_sampling_session", {"base_model": base}, own).json()["sampling_session_id"]
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}
+    cases = [  # (method, path, body) with {m} the model, {s} the sampler, {r} the request, {x} the session
+        ("POST", "get_info", {"model_id": "{m}"}),
+        ("GET", "training_runs/{m}", None),
+        ("GET", "training_runs/{m}/checkpoints", None),
+        ("GET", "training_runs/{m}/checkpoints/weights/ck/archive", None),
+        ("POST", "optim_step", {"model_id": "{m}", "adam_params": {"learning_rate": 1e-3}}),
+        ("POST", "create_sampling_session", {"model_path": "tinker://{m}/sampler_weights/s0"}),
+        ("GET", "samplers/{s}", None),
+        ("POST", "asample", {"sampling_session_id": "{s}", "prompt": prompt, "num_samples": 1}),
+        ("POST", "retrieve_future", {"request_id": "{r}"}),
+        ("POST", "cancel_future", {"request_id": "{r}"}),
+        ("POST", "session_heartbeat", {"session_id": "{x}"}),
+    ]
+    real = {"{m}": mid, "{s}": ss, "{r}": rid, "{x}": sid}
+    fake = {"{m}": "tk999999", "{s}": "ss999999", "{r}": "r999999", "{x}": "ts999999"}
+
+    def fill(text: str, ids: dict) -> str:
+        for k, v in ids.items():
+            text = text.replace(k, v)
+        return text
+
+    def send(method: str, path: str, body: dict | None, ids: dict) -> httpx.Response:
+        filled = None if body is None else json.loads(fill(json.dumps(body), ids))
+        return call(method, fill(path, ids), filled, other)
+
+    for method, path, body in cases:
+        theirs, unknown = send(method, path, body, real), send(method, path, body, fake)
+        assert (theirs.status_code, unknown.status_code) == (404, 404), (path, theirs.text, unknown.text)
+        assert theirs.json()["error"]["type"] == unknown.json()["error"]["type"] == "NotFound"
+        assert fill(unknown.json()["error"]["message"], {v: k for k, v in fake.items()}) == \
+            fill(theirs.json()["error"]["message"], {v: k for k, v in real.items()}), path
+    assert call("GET", f"training_runs/{mid}", None, own).status_code == 200  # the owner still sees it
+    assert call("GET", f"samplers/{ss}", None, own).status_code == 200
+
+    operator = {"X-API-Key": "tml-" + operator_token(home)}
+    r = call("POST", "create_session", {}, operator)
+    assert r.status_code == 403 and r.json()["error"]["type"] == "Forbidden", r.text

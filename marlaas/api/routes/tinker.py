@@ -1,0 +1,275 @@
+"""The Tinker wire protocol (/api/v1/..., as the Tinker SDK 0.38 sends it) on the marlaas API server.
+
+    app.include_router(marlaas.api.routes.tinker.router)      # done by marlaas.api.app.create_app
+
+Authentication is the API's one (`marlaas.api.deps.Caller`): the SDK sends its API key as `X-API-Key`,
+`tml-` + a marlaas tenant token (the SDK refuses keys without the `tml-` prefix), e.g. `tml-mt_...`;
+`Authorization: Bearer <token>` works too; both are rate limited per token like every route. The
+operator credential cannot train (401 would hide why: it gets 403, `access.trainer`).
+
+Every training op (forward, forward_backward, optim_step, save_state, load_state, save_weights_for_sampler)
+and every sample becomes a future (`marlaas.store.tinker`): the route stores the request and answers
+{request_id} at once; a worker writes the result. `retrieve_future` long-polls it (`tinker.futures`).
+Ops of one model run in the client's seq_id order. Errors use the API's JSON envelope and status codes
+(401 bad key, 404 unknown or another tenant's model / checkpoint / sampler / request, 422 a body this
+server does not serve). A new model's LoRA alpha is the job spec's default (`LoraSpec.alpha`); its
+largest rank is the deployment's (`access.max_lora_rank`), as for jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from marlaas.api import access
+from marlaas.api.access import Principal
+from marlaas.api.deps import Caller, service
+from marlaas.api.service import Service
+from marlaas.api.tinker import checkpoints, futures, wire
+from marlaas.errors import NotFound, SpecError
+from marlaas.spec import LoraSpec
+from marlaas.store.tinker import TinkerStore, parse_path
+
+router = APIRouter(prefix="/api/v1", tags=["tinker"])
+Svc = Depends(service)
+LORA_FIELDS = ("rank", "seed", "train_attn", "train_mlp", "train_unembed", "alpha")
+CLIENT_CONFIG = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False,
+                 "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
+                 "sample_join_sampling_session": False, "parallel_fwdbwd_chunks": False}
+
+
+def trainer(p: Principal = Caller) -> str:
+    """The tenant the request acts for (Forbidden for the operator credential)."""
+    return access.trainer(p)
+
+
+def tinker_store(svc: Service = Svc) -> TinkerStore:
+    return TinkerStore(svc.store)
+
+
+Tenant = Depends(trainer)
+Tk = Depends(tinker_store)
+
+
+# ---------------------------------------------------------------- the deployment's base model
+def base_info(svc: Service) -> tuple[str, str, int | None]:
+    """(served name, path, context length or None) of the deployment's base model."""
+    d = svc.store.deployment()
+    base = d.get("base") or ""
+    name = d.get("base_name") or Path(base).name
+    try:
+        ctx = json.loads((Path(base) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        ctx = None  # the API host may not hold the base files: the context is then unknown
+    return name, base, ctx
+
+
+def check_base(svc: Service, name: str | None) -> str:
+    """The served base's name when the client asks for it (or for none); NotFound for another base."""
+    bname, bpath, _ = base_info(svc)
+    if not bname:
+        raise SpecError("this deployment has no base model registered yet (start a worker first)")
+    if name not in (None, bname, bpath):
+        raise NotFound(f"base model {name!r} is not served here: this deployment serves {bname!r}")
+    return bname
+
+
+def queue(ts: TinkerStore, t: str, body: dict, kind: str, payload: dict) -> dict:
+    """Queue an op of the body's model (NotFound unless the tenant owns it); the future's id."""
+    mid = str(body.get("model_id") or "")
+    ts.model(t, mid)
+    rid = ts.enqueue_op(t, mid, kind, int(body.get("seq_id") or 0), payload)
+    return {"request_id": rid, "model_id": mid}
+
+
+# ---------------------------------------------------------------- service
+@router.get("/healthz")
+def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.post("/client/config")
+def client_config(t: str = Tenant) -> dict:
+    return CLIENT_CONFIG
+
+
+@router.post("/client/dynamic_config")
+def dynamic_config(t: str = Tenant) -> dict:
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+
+@router.post("/telemetry")
+def telemetry(t: str = Tenant) -> dict:
+    return {"status": "accepted"}  # the SDK's telemetry is accepted and dropped
+
+
+@router.get("/get_server_capabilities")
+def capabilities(t: str = Tenant, svc: Service = Svc) -> dict:
+    name, _, ctx = base_info(svc)
+    return {"supported_models": [{"model_name": name, "max_context_length": ctx, "trainable": True,
+                                  "sampleable": True}] if name else []}
+
+
+@router.post("/create_session")
+async def create_session(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+    await wire.body_json(request)
+    return {"type": "create_session", "session_id": ts.create_session(t)}
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+    body = await wire.body_json(request)
+    ts.heartbeat(t, str(body.get("session_id")))
+    return {"type": "session_heartbeat"}
+
+
+# ---------------------------------------------------------------- models
+@router.post("/create_model")
+async def create_model(request: Request, t: str = Tenant, svc: Service = Svc, ts: TinkerStore = Tk) -> dict:
+    body = await wire.body_json(request)
+    base = check_base(svc, body.get("base_model"))
+    lora = wire.lora_request(body, svc.max_lora_rank())
+    mid = ts.create_model(t, str(body.get("session_id")), base, {**lora, "alpha": LoraSpec().alpha})
+    rid = ts.new_future(t, "create_model", mid, 0, result={"model_id": mid, "type": "create_model"})
+    return {"request_id": rid, "model_id": mid}
+
+
+@router.post("/get_info")
+async def get_info(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+    mid = str((await wire.body_json(request)).get("model_id"))
+    m = ts.model(t, mid)
+    return {"type": "get_info", "model_id": mid, "model_name": m["base"], "is_lora": True,
+            "lora_rank": int(m["rank"]), "optimizer_config": {"type": "adamw"},
+            "model_data": {"arch": "marlaas-lora", "model_name": m["base"], "tokenizer_id": m["base"]}}
+
+
+@router.get("/training_runs/{mid}")
+def training_run(mid: str, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+    m = ts.model(t, mid)
+    return {"training_run_id": mid, "base_model": m["base"], "model_owner": t, "is_lora": True,
+            "lora_rank": int(m["rank"]), "last_request_time": checkpoints.iso(float(m["created"]))}
+
+
+# ---------------------------------------------------------------- training ops (queued)
+@router.post("/forward_backward")
+async def forward_backward(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+    body, payload = wire.fwdbwd_request(await request.body(), request.headers.get("content-type", ""),
+                                        request.headers.get("content-encoding", "identity"))
+    return queue(ts, t, body, "forward" if payload["forward_only"] else "forward_backward", payload)
+
+
+@router.post("/forward")
+async def forward(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+    body = await wire.body_json(request)
+    return queue(ts, t, body, "forward", wire.json_fwdbwd(body, forward_only=True))
+
+
+@router.post("/optim_step")
+async def optim_step(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+    body = await wire.body_json(request)
+    return queue(ts, t, body, "optim_step", wire.adam_params(body))
+
+
+@router.post("/save_weights")
+async def save_weights(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+    body = await wire.body_json(request)
+    name = wire.checkpoint_name(body.get("path") or f"state-{int(time.time() * 1000)}")
+    return queue(ts, t, body, "save_weights", {"name": name})
+
+
+@router.post("/save_weights_for_sampler")
+async def save_for_sampler(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+    body = await wire.body_json(request)
+    name = body.get("path")
+    return queue(ts, t, body, "save_weights_for_sampler",
+                 {"name": None if name is None else wire.checkpoint_name(name)})
+
+
+@router.post("/load_weights")
+async def load_weights(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+    body = await wire.body_json(request)
+    src, kind, name = parse_path(str(body.get("path")))
+    if kind != "weights":
+        raise SpecError("load_state needs a training checkpoint (tinker://<model>/weights/<name>)")
+    ts.state(t, src, name)  # NotFound before anything is queued
+    if not body.get("model_id"):  # create-via-load: a new model with the checkpoint's LoRA config
+        m = ts.model(t, src)
+        body["model_id"] = ts.create_model(t, str(body.get("session_id")), m["base"],
+                                           {k: m[k] for k in LORA_FIELDS})
+    return queue(ts, t, body, "load_weights", {"path": body["path"], "optimizer": bool(body.get("optimizer"))})
+
+
+# ---------------------------------------------------------------- sampling
+def resolve_sampler(svc: Service, ts: TinkerStore, t: str, model_path: str | None,
+                    base_model: str | None) -> tuple[str, str | None, int | None]:
+    """(base, model or None, sampler version or None) a sampler of these arguments serves."""
+    if model_path:
+        mid, kind, name = parse_path(model_path)
+        if kind != "sampler_weights":
+            raise SpecError("sample from sampler weights (tinker://<model>/sampler_weights/<name>)")
+        m = ts.model(t, mid)
+        return m["base"], mid, ts.sampler_version(t, mid, name)
+    return check_base(svc, base_model), None, None
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(request: Request, t: str = Tenant, svc: Service = Svc,
+                                  ts: TinkerStore = Tk) -> dict:
+    body = await wire.body_json(request)
+    base, mid, v = resolve_sampler(svc, ts, t, body.get("model_path"), body.get("base_model"))
+    sid = ts.create_sampler(t, base, body.get("model_path"), mid, v)
+    return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+
+@router.get("/samplers/{sid}")
+def get_sampler(sid: str, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+    s = ts.sampler(t, sid)
+    return {"sampler_id": sid, "base_model": s["base"], "model_path": s["model_path"]}
+
+
+@router.post("/asample")
+async def asample(request: Request, t: str = Tenant, svc: Service = Svc, ts: TinkerStore = Tk) -> dict:
+    body = await wire.body_json(request)
+    if body.get("sampling_session_id"):
+        s = ts.sampler(t, str(body["sampling_session_id"]))
+        mid, v = s["model"], s["version"]
+    else:
+        _, mid, v = resolve_sampler(svc, ts, t, body.get("model_path"), body.get("base_model"))
+    payload = wire.sample_payload(body, mid, v)
+    rid = ts.enqueue_sample(t, payload)
+    return {"request_id": rid, "model_id": None, "sample_sequence_ids": [f"{rid}-{i}" for i in range(payload["n"])]}
+
+
+# ---------------------------------------------------------------- futures
+@router.post("/retrieve_future")
+async def retrieve_future(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> Response:
+    rid = str((await wire.body_json(request)).get("request_id"))
+    f = await futures.wait(ts, t, rid)
+    return futures.response(f, rid, proto=wire.PROTO in request.headers.get("accept", ""))
+
+
+@router.post("/cancel_future")
+async def cancel_future(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+    body = await wire.body_json(request)
+    ts.future(t, str(body.get("request_id")))
+    return {}  # work already queued runs to its end; its result is simply never fetched
+
+
+# ---------------------------------------------------------------- checkpoints
+@router.get("/training_runs/{mid}/checkpoints")
+def list_checkpoints(mid: str, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+    return checkpoints.listing(ts, t, mid)
+
+
+@router.get("/training_runs/{mid}/checkpoints/{kind}/{name}/archive",
+            responses={200: {"content": {"application/gzip": {}}}})
+def archive(mid: str, kind: str, name: str, t: str = Tenant, svc: Service = Svc, ts: TinkerStore = Tk) -> Response:
+    """A checkpoint's LoRA adapter as a tar.gz of a PEFT directory (adapter_config.json +
+    adapter_model.safetensors): `PeftModel.from_pretrained(base, dir)` loads it. A marlaas extension."""
+    blob = checkpoints.adapter_blob(ts, t, mid, kind, name)
+    return Response(access.archive(blob, svc.store.deployment().get("base")), media_type="application/gzip",
+                    headers={"Content-Disposition": f'attachment; filename="{mid}-{kind}-{name}.tar.gz"'})
