@@ -1,1 +1,2 @@
-"""The Tinker wire protocol on the API server (routes, protobuf codec); see docs/tinker.md."""
+"""The Tinker wire protocol's helpers (request parsing, futures, checkpoints, the protobuf codec); the
+routes are `marlaas.api.routes.tinker`. See docs/tinker.md."""
