@@ -150,3 +150,7 @@ def redact_url(url: str) -> str:
     if not u.password:
         return url
     return u._replace(netloc=u.netloc.replace(f":{u.password}@", ":***@", 1)).geturl()
+
+
+class TrainStateError(MarlaasError):
+    """The trainer cannot take this step: no state for the version, or a state that does not fit."""
