@@ -4,9 +4,9 @@ For n = 1, 2, 4, 8 jobs (LoRA r=16 on all linear layers, AdamW, each job `--prom
 samples of `--tokens` completion tokens, advantages +-1), one round of steps is timed two ways on
 the same `TrainingEngine`:
 
-- sequential: `engine.step(job)` for each job, one after another (what the trainer lane does now);
+- sequential: `step(engine, job)` for each job, one after another (what the trainer lane does now);
 - fused: one `step_fused(engine, jobs)` (one forward/backward, per-row adapter routing,
-  `marlaas.train.fused`).
+  `marlaas.train.step`).
 
 Every job is warmed up first (its adapter is created by a version-0 step), the two ways alternate,
 and each figure is the median of `--reps` rounds. Reported per n: seconds per round, samples/s, and
@@ -45,7 +45,7 @@ def run(args) -> dict:
     from marlaas.settings import get_settings
     from marlaas.spec import JobSpec, LoraSpec, RLSpec
     from marlaas.train.engine import TrainingEngine
-    from marlaas.train.fused import step_fused
+    from marlaas.train.step import step, step_fused
 
     settings = get_settings()
     base = ensure_base(settings.base_path, preset=settings.base_preset, progress=False, threads=args.threads)
@@ -54,13 +54,13 @@ def run(args) -> dict:
     rnd = random.Random(0)
     per_job = args.prompts * args.group
     specs = {
-        f"job{i}": JobSpec.model_construct(task="sort", lora=LoraSpec(rank=16, alpha=32.0), rl=RLSpec(), seed=i,
+        f"job{i}": JobSpec.model_construct(task="sort", lora=LoraSpec(rank=16), rl=RLSpec(), seed=i,
                                            learning_rate=1e-3, temperature=1.0)
         for i in range(max(ns))
     }  # fmt: skip
     version = {j: 0 for j in specs}
     for j, spec in specs.items():  # warm-up: creates every adapter and optimiser state
-        engine.step(j, 0, spec, _samples(rnd, per_job, args.tokens), None)
+        step(engine, j, 0, spec, _samples(rnd, per_job, args.tokens), None)
         version[j] = 1
     rows = []
     for n in ns:
@@ -70,7 +70,7 @@ def run(args) -> dict:
             batch = {j: _samples(rnd, per_job, args.tokens) for j in jobs}
             t0 = time.perf_counter()
             for j in jobs:
-                engine.step(j, version[j], specs[j], batch[j], None)
+                step(engine, j, version[j], specs[j], batch[j], None)
                 version[j] += 1
             seq.append(time.perf_counter() - t0)
             t0 = time.perf_counter()

@@ -1,27 +1,30 @@
-"""The training engine: one resident base model, one PEFT LoRA adapter + AdamW state per job.
+"""The training engine: one resident base model, one PEFT LoRA adapter + AdamW state per key.
 
-One `PeftModel` wraps the base; each job is its own named adapter in it (job ids are mapped to safe
-adapter names: PEFT forbids '.' in them). Adapters and their optimisers live in an LRU cache of
-`cache_size` jobs; an evicted or foreign job is rebuilt from the `TrainState` its last published
-version stored (adapter weights in PEFT's file format + the optimiser state), so any trainer
-process can take any step and a crash loses nothing.
+Public API, shaped like Tinker's primitives; the job RL step (`marlaas.train.step`), the Tinker ops
+(`marlaas.train.tinker_ops`) and the fused multi-job step are its callers, and none reads inside it:
+
+- `adapter(key, config, state=None, seed=0)`: make sure adapter `key` is cached (a fresh LoRA
+  seeded by `seed`, B = 0, or one loaded from a `TrainState`); `load_state(key, state, config)`.
+- `forward_backward(key, samples, loss, temperature, ...)`: one forward over `key`'s rows, the
+  caller's `loss(Forward) -> (loss, stats)`, and a backward that ACCUMULATES into the adapter's
+  gradients; `forward_backward_many(parts)` does the same for several keys in one routed pass
+  (`marlaas.train.routing`: rows never mix, so each adapter gets exactly its own gradient).
+- `optim_step(key, AdamParams)`: optional global-norm clip, one AdamW step with the given
+  hyperparameters (skipped when the clipped norm is NaN/inf), gradients cleared.
+- `state(key) -> TrainState`, `adapter_blob`, `optimizer_bytes`, `evict`, `cached`, `set_version`,
+  `completion_logprobs`, `parameters`.
+
+One `PeftModel` wraps the base; each key is its own named adapter in it (keys are mapped to safe
+adapter names: PEFT forbids '.' in them). Adapters and optimisers live in an LRU cache of
+`cache_size` keys; an evicted key is rebuilt by its caller from a `TrainState`.
 
 Invariants:
-- The base weights never change: only the active job's LoRA parameters require grad and are in
-  its optimiser (`set_adapter()` resets requires_grad, so the engine sets it after every switch).
-- `step(job, version, ...)` trains the adapter AT `version` and leaves the cache holding the job at
-  `version + 1`. Version 0 is the base itself (a fresh LoRA has B = 0); the adapter is created on
-  the job's first step, deterministically from `spec.seed`.
-- A step that fails evicts the job: the cache never holds a half-updated adapter. A step whose
-  gradient is NaN/inf publishes the unchanged adapter (metrics `noop`, `nonfinite_grad`).
-- One optimiser step per batch, so pi_prox = pi_theta at the step start (see `marlaas.train.rl`): the
-  gradient pass gives it for free. The job's `rl` spec picks the objective (`job_loss`); only
-  prox = 'recompute' with LoRA dropout > 0 runs an extra no-grad pass (`needs_prox_pass`).
+- The base weights never change: only the adapters being trained require grad (`set_adapter()`
+  resets requires_grad, so the engine sets it after every switch and every disabled-adapter pass).
+- A sample's completion tokens are right-aligned in T columns; position t of a row's T columns holds
+  log p(target_t | the tokens before it), target = the completion token itself unless the sample
+  names explicit `targets` (Tinker data).
 - Not thread-safe: one trainer lane per engine (at most one train task holds the trainer lease).
-
-Zero-advantage samples contribute nothing to the policy term and are not run through the model
-(unless a KL term is on). With `rl.drop_zero_advantage` they are dropped from the loss's normaliser
-too; without it the loss is rescaled so it equals the loss over the full batch.
 """
 
 from __future__ import annotations
@@ -29,72 +32,26 @@ from __future__ import annotations
 import io
 import math
 import re
-import time
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from marlaas.adapters import blob_from_peft
-from marlaas.errors import MarlaasError
-from marlaas.spec import JobSpec, LoraSpec
-from marlaas.train import rl
-from marlaas.train.schedule import spec_lr
+from marlaas.adapters import blob_from_peft, lora_config_from_dict
+from marlaas.errors import TrainStateError
+from marlaas.train.records import AdamParams, Forward, LossFn, Part, Result, TrainSample, TrainState
+from marlaas.train.routing import routed
 from marlaas.types import AdapterBlob
 
+__all__ = ["AdamParams", "Forward", "LossFn", "Part", "Result", "TrainSample", "TrainState", "TrainingEngine"]
+
 _OPT_FORMAT = 1
-GRAD_CLIP = 1.0
-BETAS = (0.9, 0.999)
-
-
-class TrainStateError(MarlaasError):
-    """The trainer cannot take this step: no state for the version, or a state that does not fit."""
 
 
 @dataclass
-class TrainSample:
-    """One sampled completion to train on (one row of a group).
-
-    `completion_ids` include the EOS token when one was generated; `behav_logprobs` holds one
-    sampling log-prob per completion token (log_softmax(logits / temperature) of the sampler).
-    `loss_mask` (None = all ones) marks the tokens the policy is trained on: a tool episode's
-    tool-result tokens are context, not actions (mask 0; their behaviour log-prob is unused).
-    """
-
-    prompt: str
-    completion_ids: list[int]
-    behav_logprobs: list[float]
-    advantage: float
-    loss_mask: list[int] | None = None
-
-    @property
-    def n_actions(self) -> int:
-        """Tokens the loss counts (mask 1)."""
-        return len(self.completion_ids) if self.loss_mask is None else int(sum(self.loss_mask))
-
-
-@dataclass
-class TrainState:
-    """What a published version persists so any trainer can continue the job from it."""
-
-    version: int
-    adapter: AdapterBlob
-    optimizer: bytes
-
-
-@dataclass
-class StepOutput:
-    """The adapter and optimiser after a step (version + 1), and the step's metrics."""
-
-    adapter: AdapterBlob
-    optimizer: bytes
-    metrics: dict = field(default_factory=dict)
-
-
-@dataclass
-class _Job:
+class _Entry:
     name: str
     version: int
     keys: list[str]
@@ -102,76 +59,20 @@ class _Job:
     optimizer: torch.optim.Optimizer
 
 
-def set_lr(optimizer: torch.optim.Optimizer, spec: JobSpec, step: int) -> float:
-    """Put the job's scheduled rate for `step` (the version trained from) on every parameter group."""
-    lr = spec_lr(spec, step)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    return lr
+def _safe_name(key: str, serial: int) -> str:
+    # PEFT adapter names become module-dict keys: no '.', and unique even if two keys sanitise alike.
+    return f"j{serial}_{re.sub(r'[^A-Za-z0-9_]', '_', key)[:40]}"
 
 
-def needs_prox_pass(spec: JobSpec) -> bool:
-    """Whether the step runs a separate no-grad forward for pi_prox: only prox = 'recompute' with LoRA
-    dropout > 0. Without dropout the gradient pass's detached log-probs ARE pi_prox (one optimiser step
-    per batch), and 'a3po' / 'ppo' never need one."""
-    loss = spec.rl.loss
-    return loss.kind == "decoupled_ppo" and loss.prox == "recompute" and spec.lora.dropout > 0
-
-
-def job_loss(
-    spec: JobSpec,
-    samples: list[TrainSample],
-    kept: list[TrainSample],
-    logp_B_T: torch.Tensor,
-    mask_B_T: torch.Tensor,
-    behav_B_T: torch.Tensor,
-    ref_B_T: torch.Tensor | None = None,
-    prox_B_T: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict]:
-    """One job's step loss over its `kept` rows (the batch's tensors), as its `rl` spec selects.
-
-    Normalisers: 'token' and 'sequence' count the kept rows, rescaled to the whole batch when
-    `drop_zero_advantage` is off; 'constant' divides by K = max_new_tokens x len(samples) (Dr. GRPO's
-    constant: independent of lengths, and every row handed to the trainer counts).
-    `prox_B_T` is a recomputed pi_prox (see `needs_prox_pass`); None reads it off `logp_B_T`.
-    """
-    cfg = spec.rl
-    adv_B = torch.tensor([s.advantage for s in kept], dtype=torch.float32, device=logp_B_T.device)
-    loss, stats = rl.spec_loss(
-        cfg, logp_B_T, behav_B_T, adv_B, mask_B_T, recomputed_prox_B_T=prox_B_T, ref_logprobs_B_T=ref_B_T,
-        constant_norm=float(spec.max_new_tokens * max(len(samples), 1)),
-    )  # fmt: skip
-    if not cfg.drop_zero_advantage and len(kept) < len(samples):
-        # Skipped rows still count in the normaliser: rescale to the full batch's loss.
-        if cfg.aggregation == "token":
-            loss = loss * mask_B_T.sum() / max(1, sum(s.n_actions for s in samples))
-        elif cfg.aggregation == "sequence":
-            loss = loss * sum(1 for s in kept if s.completion_ids) / sum(1 for s in samples if s.completion_ids)
-    return loss, stats
-
-
-def lora_config(lora: LoraSpec):
-    """The PEFT LoraConfig for a job's LoraSpec."""
-    from peft import LoraConfig
-
-    targets = "all-linear" if lora.targets == "all-linear" else list(lora.targets)
-    return LoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,
-        target_modules=targets,
-        lora_dropout=lora.dropout,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-
-
-def _safe_name(job_id: str, serial: int) -> str:
-    # PEFT adapter names become module-dict keys: no '.', and unique even if two ids sanitise alike.
-    return f"j{serial}_{re.sub(r'[^A-Za-z0-9_]', '_', job_id)[:40]}"
+def _gather(logits_B_L_V: torch.Tensor, targets_B_T: torch.Tensor, temperature: float) -> torch.Tensor:
+    # The last T logit positions predict the T target columns.
+    T = targets_B_T.shape[1]
+    lg = logits_B_L_V[:, logits_B_L_V.shape[1] - T:, :].float() / temperature
+    return torch.log_softmax(lg, dim=-1).gather(-1, targets_B_T.unsqueeze(-1)).squeeze(-1)
 
 
 class TrainingEngine:
-    """Trains per-job LoRA adapters on one resident base model (see the module docstring)."""
+    """Trains per-key LoRA adapters on one resident base model (see the module docstring)."""
 
     def __init__(self, base_path: str | Path, *, threads: int = 1, cache_size: int = 32, device: str = "cpu",
                  dtype: str = "auto"):
@@ -190,47 +91,84 @@ class TrainingEngine:
         self.base = AutoModelForCausalLM.from_pretrained(self.base_path, dtype=resolve_dtype(dtype, self.device))
         self.base.to(self.device)
         self.base.requires_grad_(False)
-        self.model = None  # the PeftModel, created with the first job's adapter
-        self._jobs: OrderedDict[str, _Job] = OrderedDict()
+        self.model = None  # the PeftModel, created with the first adapter
+        self._jobs: OrderedDict[str, _Entry] = OrderedDict()
         self._serial = 0
         self._prompt_ids: dict[str, list[int]] = {}
 
     # ----------------------------------------------------------------- cache
 
     def cached(self) -> dict[str, int]:
-        """job_id -> version held in the cache (least recently used first)."""
+        """key -> version held in the cache (least recently used first)."""
         return {j: e.version for j, e in self._jobs.items()}
 
-    def evict(self, job_id: str) -> None:
-        """Drop a job's adapter and optimiser from the cache (no-op if absent)."""
-        entry = self._jobs.pop(job_id, None)
+    def set_version(self, key: str, version: int) -> None:
+        """Record the version a cached adapter now is (the job step counts its published versions)."""
+        self._entry(key).version = version
+
+    def parameters(self, key: str) -> list[torch.nn.Parameter]:
+        """A cached adapter's LoRA parameters, in module order (the ones its optimiser steps)."""
+        return list(self._entry(key).params)
+
+    def evict(self, key: str) -> None:
+        """Drop an adapter and its optimiser from the cache (no-op if absent)."""
+        entry = self._jobs.pop(key, None)
         if entry is not None:
             self._delete(entry.name)
 
+    def adapter(self, key: str, config, state: TrainState | None = None, seed: int = 0) -> None:
+        """Make sure adapter `key` is cached with PEFT LoRA `config`: with `state`, (re)load it from
+        that state; without, keep a cached one or create it fresh (B = 0, A drawn from `seed` under a
+        forked RNG, so the same seed gives the same adapter in any process), at version 0."""
+        if state is not None:
+            self.load_state(key, state, config)
+        elif key in self._jobs:
+            self._jobs.move_to_end(key)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                self._install(key, config, 0, None, None)
+
+    def load_state(self, key: str, state: TrainState, config=None) -> None:
+        """Put `key` into the cache at `state.version` from a persisted state (replacing a cached one);
+        `config` defaults to the state's own adapter config."""
+        from safetensors.torch import load as st_load
+
+        if config is None:
+            config = lora_config_from_dict(state.adapter.config, inference_mode=False)
+        self._install(key, config, state.version, st_load(state.adapter.weights), state.optimizer)
+
+    def _entry(self, key: str) -> _Entry:
+        entry = self._jobs.get(key)
+        if entry is None:
+            raise TrainStateError(f"adapter {key} is not in the trainer cache")
+        self._jobs.move_to_end(key)
+        return entry
+
     def _delete(self, name: str) -> None:
         with warnings.catch_warnings():
-            # PEFT warns when the deleted adapter was active; the next step activates its own anyway.
+            # PEFT warns when the deleted adapter was active; the next pass activates its own anyway.
             warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
             self.model.delete_adapter(name)
 
-    def _add_adapter(self, job_id: str, config) -> str:
+    def _add_adapter(self, key: str, config) -> str:
         from peft import get_peft_model
 
         self._serial += 1
-        name = _safe_name(job_id, self._serial)
+        name = _safe_name(key, self._serial)
         if self.model is None:
             self.model = get_peft_model(self.base, config, adapter_name=name)
         else:
             self.model.add_adapter(name, config)
         return name
 
-    def _install(self, job_id: str, config, version: int, load: dict | None, opt_bytes: bytes | None, lr: float):
-        """Create the job's adapter (+ optimiser), replacing any cached entry; evict the LRU job."""
+    def _install(self, key: str, config, version: int, load: dict | None, opt_bytes: bytes | None) -> None:
+        """Create the adapter (+ optimiser), replacing any cached entry; evict the LRU key."""
         from peft import set_peft_model_state_dict
 
-        old = self._jobs.pop(job_id, None)
+        old = self._jobs.pop(key, None)
         # Add the new adapter before deleting the old one so the PeftModel never has none.
-        name = self._add_adapter(job_id, config)
+        name = self._add_adapter(key, config)
         try:
             if load is not None:
                 res = set_peft_model_state_dict(self.model, load, adapter_name=name)
@@ -238,18 +176,17 @@ class TrainingEngine:
                 missing = [k for k in res.missing_keys if f".{name}." in k]
                 if unexpected or missing:
                     raise TrainStateError(
-                        f"adapter state of job {job_id} does not fit its config "
+                        f"adapter state of {key} does not fit its config "
                         f"({len(missing)} missing, {len(unexpected)} unexpected keys)"
                     )
             keys, params = self._adapter_params(name)
-            optimizer = torch.optim.AdamW(params, lr=lr, betas=BETAS, weight_decay=0.0)
+            # lr 0 until the first optim_step, which sets every hyperparameter.
+            optimizer = torch.optim.AdamW(params, lr=0.0, betas=AdamParams.betas, weight_decay=0.0)
             if opt_bytes is not None:
                 saved = torch.load(io.BytesIO(opt_bytes), weights_only=True, map_location="cpu")
                 if saved.get("format") != _OPT_FORMAT or saved.get("keys") != keys:
-                    raise TrainStateError(f"optimizer state of job {job_id} does not match its adapter")
+                    raise TrainStateError(f"optimizer state of {key} does not match its adapter")
                 optimizer.load_state_dict(saved["optimizer"])
-                for group in optimizer.param_groups:  # the spec's lr wins over a stored one
-                    group["lr"] = lr
         except BaseException:
             self._delete(name)
             if old is not None:
@@ -257,12 +194,9 @@ class TrainingEngine:
             raise
         if old is not None:
             self._delete(old.name)
-        entry = _Job(name=name, version=version, keys=keys, params=params, optimizer=optimizer)
-        self._jobs[job_id] = entry
+        self._jobs[key] = _Entry(name=name, version=version, keys=keys, params=params, optimizer=optimizer)
         while len(self._jobs) > self.cache_size:
-            lru = next(iter(self._jobs))
-            self.evict(lru)
-        return entry
+            self.evict(next(iter(self._jobs)))
 
     def _adapter_params(self, name: str) -> tuple[list[str], list[torch.nn.Parameter]]:
         # Keys in PEFT's saved format (adapter name removed), in module order: stable across processes.
@@ -276,59 +210,23 @@ class TrainingEngine:
             raise TrainStateError(f"LoRA adapter {name} matched no module of the base model")
         return keys, params
 
-    def _activate(self, entry: _Job) -> None:
-        self.model.set_adapter(entry.name)
-        # set_adapter() resets requires_grad: make exactly this job's LoRA weights trainable.
+    def _trainable(self, entries: list[_Entry]) -> None:
+        # set_adapter() and leaving disable_adapter() reset requires_grad: exactly these adapters train.
         for p in self.model.parameters():
             p.requires_grad_(False)
-        for p in entry.params:
-            p.requires_grad_(True)
-
-    def load_state(self, job_id: str, spec: JobSpec, state: TrainState) -> None:
-        """Put a job into the cache at `state.version` from a persisted state."""
-        from peft import PeftConfig
-        from safetensors.torch import load as st_load
-
-        cfg = dict(state.adapter.config)
-        cfg["inference_mode"] = False
-        config = PeftConfig.from_peft_type(**cfg)
-        if config.r != spec.lora.rank or float(config.lora_alpha) != float(spec.lora.alpha):
-            raise TrainStateError(
-                f"stored adapter of job {job_id} (r={config.r}, alpha={config.lora_alpha}) does not match "
-                f"its spec (r={spec.lora.rank}, alpha={spec.lora.alpha})"
-            )
-        self._install(
-            job_id, config, state.version, st_load(state.adapter.weights), state.optimizer, spec.learning_rate
-        )
-
-    def _entry_for(self, job_id: str, version: int, spec: JobSpec, state: TrainState | None) -> _Job:
-        entry = self._jobs.get(job_id)
-        if entry is not None and entry.version == version:
-            self._jobs.move_to_end(job_id)
-            return entry
-        if state is not None:
-            if state.version != version:
-                raise TrainStateError(
-                    f"job {job_id}: asked to train version {version} but the given state is version {state.version}"
-                )
-            self.load_state(job_id, spec, state)
-            return self._jobs[job_id]
-        if version == 0:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(spec.seed)
-                return self._install(job_id, lora_config(spec.lora), 0, None, None, spec.learning_rate)
-        held = f"holds version {entry.version}" if entry is not None else "does not hold it"
-        raise TrainStateError(f"job {job_id}: no state for version {version} (the trainer cache {held})")
+        for e in entries:
+            for p in e.params:
+                p.requires_grad_(True)
 
     # ----------------------------------------------------------------- blobs
 
-    def adapter_blob(self, job_id: str) -> AdapterBlob:
-        """The cached adapter of a job as PEFT files (config dict + safetensors bytes)."""
-        return blob_from_peft(self.model, self._jobs[job_id].name)
+    def adapter_blob(self, key: str) -> AdapterBlob:
+        """The cached adapter as PEFT files (config dict + safetensors bytes)."""
+        return blob_from_peft(self.model, self._entry(key).name)
 
-    def optimizer_bytes(self, job_id: str) -> bytes:
-        """The cached optimiser state of a job (torch.save of a dict of tensors, lists and numbers)."""
-        entry = self._jobs[job_id]
+    def optimizer_bytes(self, key: str) -> bytes:
+        """The cached optimiser state (torch.save of a dict of tensors, lists and numbers)."""
+        entry = self._entry(key)
         sd = entry.optimizer.state_dict()
         if self.device.type != "cpu":  # the store holds CPU tensors: any host can load them
             sd["state"] = {k: {n: v.cpu() if torch.is_tensor(v) else v for n, v in st.items()}
@@ -337,151 +235,178 @@ class TrainingEngine:
         torch.save({"format": _OPT_FORMAT, "keys": entry.keys, "optimizer": sd}, buf)
         return buf.getvalue()
 
-    def state(self, job_id: str) -> TrainState:
-        """The cached job as a TrainState."""
-        return TrainState(self._jobs[job_id].version, self.adapter_blob(job_id), self.optimizer_bytes(job_id))
+    def state(self, key: str) -> TrainState:
+        """The cached adapter as a TrainState."""
+        return TrainState(self._entry(key).version, self.adapter_blob(key), self.optimizer_bytes(key))
 
-    # ----------------------------------------------------------------- maths
+    # ----------------------------------------------------------------- batches
 
-    def _ids(self, prompt: str) -> list[int]:
-        ids = self._prompt_ids.get(prompt)
-        if ids is None:
-            ids = self.tokenizer(prompt)["input_ids"]
+    def _ids(self, s: TrainSample) -> list[int]:
+        if s.prompt_ids is not None:
+            ids = list(s.prompt_ids)
+        elif (ids := self._prompt_ids.get(s.prompt)) is None:
+            ids = self.tokenizer(s.prompt)["input_ids"]
             if len(self._prompt_ids) > 4096:
                 self._prompt_ids.clear()
-            self._prompt_ids[prompt] = ids
+            self._prompt_ids[s.prompt] = ids
         if not ids:
             raise ValueError("a prompt must have at least one token")
         return ids
 
     def _batch(self, samples: list[TrainSample]):
-        """Left-padded input ids, attention mask, positions, and right-aligned completion tensors."""
+        """Left-padded input ids, attention mask, positions; right-aligned targets, mask, behaviour
+        log-probs; T."""
         seqs, lens = [], []
         for i, s in enumerate(samples):
-            if len(s.behav_logprobs) != len(s.completion_ids):
-                raise ValueError(
-                    f"sample {i}: {len(s.completion_ids)} completion tokens but {len(s.behav_logprobs)} logprobs"
-                )
-            if s.loss_mask is not None and len(s.loss_mask) != len(s.completion_ids):
-                raise ValueError(f"sample {i}: {len(s.completion_ids)} tokens but {len(s.loss_mask)} mask values")
-            seqs.append(self._ids(s.prompt) + list(s.completion_ids))
-            lens.append(len(s.completion_ids))
+            n = len(s.completion_ids)
+            for what, vals in (("logprobs", s.behav_logprobs), ("mask values", s.loss_mask), ("targets", s.targets)):
+                if vals is not None and len(vals) != n:
+                    raise ValueError(f"sample {i}: {n} completion tokens but {len(vals)} {what}")
+            seqs.append(self._ids(s) + list(s.completion_ids))
+            lens.append(n)
         B, L, T = len(seqs), max(map(len, seqs)), max(lens)
-        pad = self.tokenizer.pad_token_id or 0
-        input_ids = torch.full((B, L), pad, dtype=torch.long)
+        input_ids = torch.full((B, L), self.tokenizer.pad_token_id or 0, dtype=torch.long)
         attn = torch.zeros((B, L), dtype=torch.long)
-        mask_B_T = torch.zeros((B, T))
-        behav_B_T = torch.zeros((B, T))
-        for i, (seq, n) in enumerate(zip(seqs, lens)):
-            input_ids[i, L - len(seq) :] = torch.tensor(seq)
-            attn[i, L - len(seq) :] = 1
+        mask_B_T, behav_B_T = torch.zeros((B, T)), torch.zeros((B, T))
+        for i, seq in enumerate(seqs):
+            input_ids[i, L - len(seq):] = torch.tensor(seq)
+            attn[i, L - len(seq):] = 1
+        targets_B_T = input_ids[:, L - T:].clone()
+        for i, (s, n) in enumerate(zip(samples, lens)):
             if n:
-                m = samples[i].loss_mask
-                mask_B_T[i, T - n :] = 1 if m is None else torch.tensor(m, dtype=torch.float32)
-                behav_B_T[i, T - n :] = torch.tensor(samples[i].behav_logprobs, dtype=torch.float32)
+                m = s.loss_mask
+                mask_B_T[i, T - n:] = 1 if m is None else torch.tensor(m, dtype=torch.float32)
+                behav_B_T[i, T - n:] = torch.tensor(s.behav_logprobs, dtype=torch.float32)
+                if s.targets is not None:
+                    targets_B_T[i, T - n:] = torch.tensor(s.targets, dtype=torch.long)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         dev = self.device
-        return input_ids.to(dev), attn.to(dev), positions.to(dev), mask_B_T.to(dev), behav_B_T.to(dev), T
+        return (input_ids.to(dev), attn.to(dev), positions.to(dev), targets_B_T.to(dev), mask_B_T.to(dev),
+                behav_B_T.to(dev), T)
 
-    @staticmethod
-    def _logprobs(model, input_ids, attn, positions, T: int, temperature: float) -> torch.Tensor:
+    def _logits(self, model, input_ids, attn, positions, T: int) -> torch.Tensor:
         # Completions are right-aligned, so the logits that predict them are the T before the last.
         out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, logits_to_keep=T + 1)
-        logits_B_T_V = out.logits[:, :-1, :].float() / temperature
-        targets_B_T = input_ids[:, -T:]
-        return torch.log_softmax(logits_B_T_V, dim=-1).gather(-1, targets_B_T.unsqueeze(-1)).squeeze(-1)
+        return out.logits[:, :-1, :]
 
     @torch.no_grad()
     def completion_logprobs(
-        self, job_id: str | None, samples: list[TrainSample], temperature: float = 1.0
+        self, key: str | None, samples: list[TrainSample], temperature: float = 1.0
     ) -> list[list[float]]:
-        """Log-probs of each sample's completion tokens under a cached job's adapter (None = base)."""
+        """Log-probs of each sample's completion tokens under a cached adapter (None = base), eval mode."""
         if not samples:
             return []
-        input_ids, attn, positions, mask_B_T, _, T = self._batch(samples)
-        if job_id is None and self.model is None:
-            lp = self._logprobs(self.base, input_ids, attn, positions, T, temperature)
-        elif job_id is None:
+        input_ids, attn, positions, targets_B_T, _, _, T = self._batch(samples)
+        if key is None and self.model is None:
+            lp = _gather(self._logits(self.base, input_ids, attn, positions, T), targets_B_T, temperature)
+        elif key is None:
             with self.model.disable_adapter():
-                lp = self._logprobs(self.model, input_ids, attn, positions, T, temperature)
+                lp = _gather(self._logits(self.model, input_ids, attn, positions, T), targets_B_T, temperature)
         else:
-            self._activate(self._jobs[job_id])
+            entry = self._entry(key)
+            self.model.set_adapter(entry.name)
             self.model.eval()
-            lp = self._logprobs(self.model, input_ids, attn, positions, T, temperature)
-        return [lp[i, T - len(s.completion_ids) :].tolist() if s.completion_ids else [] for i, s in enumerate(samples)]
+            lp = _gather(self._logits(self.model, input_ids, attn, positions, T), targets_B_T, temperature)
+        return [lp[i, T - len(s.completion_ids):].tolist() if s.completion_ids else [] for i, s in enumerate(samples)]
 
-    # ----------------------------------------------------------------- step
+    # ----------------------------------------------------------------- training primitives
 
-    def step(
-        self, job_id: str, version: int, spec: JobSpec, samples: list[TrainSample], state: TrainState | None
-    ) -> StepOutput:
-        """One policy-gradient step of `job_id` from adapter `version`; the cache then holds version + 1.
+    def routable(self) -> str | None:
+        """Why several adapters cannot share one routed pass now (None: they can)."""
+        from peft.tuners.lora import Linear as LoraLinear
+        from peft.tuners.lora import LoraLayer
 
-        `state` (the TrainState published with `version`) is needed unless version == 0 or the cache
-        holds the job at `version`. Raises TrainStateError when neither is available.
-        """
-        t0 = time.perf_counter()
-        entry = self._entry_for(job_id, version, spec, state)
-        try:
-            metrics = self._train(entry, spec, samples)
-        except BaseException:
-            self.evict(job_id)
-            raise
-        entry.version = version + 1
-        out = StepOutput(adapter=self.adapter_blob(job_id), optimizer=self.optimizer_bytes(job_id), metrics=metrics)
-        metrics["seconds"] = time.perf_counter() - t0
-        for k, v in metrics.items():  # metrics travel as JSON: no NaN/inf
-            if isinstance(v, float) and not math.isfinite(v):
-                metrics[k] = None
+        for m in self.model.modules() if self.model is not None else ():
+            if isinstance(m, LoraLayer) and not isinstance(m, LoraLinear):
+                return f"LoRA layer type {type(m).__name__} is not routed"
+        return None
+
+    def forward_backward(self, key: str, samples: list[TrainSample], loss: LossFn, temperature: float = 1.0,
+                         *, ref: bool = False, prox: bool = False, backward: bool = True) -> Result:
+        """One forward over `key`'s samples in train mode, `loss(Forward)`, and (with `backward`) its
+        gradient accumulated into the adapter's `.grad` (cleared only by `optim_step`)."""
+        return self.forward_backward_many([Part(key, samples, loss, temperature, ref, prox)], backward=backward)[0]
+
+    def forward_backward_many(self, parts: list[Part], *, backward: bool = True) -> list[Result]:
+        """`forward_backward` for several keys in ONE pass: the parts' batches stacked row-wise (left-
+        padded to one length), each LoRA layer routed per block of rows, one backward on the sum of
+        the parts' losses (each adapter's gradient is its own part's: rows never mix)."""
+        keys = [p.key for p in parts]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"a pass takes each key once (got {keys})")
+        if not parts or any(not p.samples for p in parts):
+            raise ValueError("every part of a pass needs at least one sample")
+        if len(parts) > 1 and (why := self.routable()) is not None:
+            raise ValueError(f"cannot route several adapters in one pass: {why}")
+        entries = [self._entry(k) for k in keys]
+        batches = [self._batch(p.samples) for p in parts]
+        model, solo = self.model, len(parts) == 1
+        if solo:
+            input_ids, attn, positions = batches[0][:3]
+        else:
+            L = max(b[0].shape[1] for b in batches)
+            pad = self.tokenizer.pad_token_id or 0
+            F = torch.nn.functional
+            input_ids = torch.cat([F.pad(b[0], (L - b[0].shape[1], 0), value=pad) for b in batches])
+            attn = torch.cat([F.pad(b[1], (L - b[1].shape[1], 0), value=0) for b in batches])
+            positions = torch.cat([F.pad(b[2], (L - b[2].shape[1], 0), value=0) for b in batches])
+        T = max(b[6] for b in batches)
+        names, sizes = [e.name for e in entries], [len(p.samples) for p in parts]
+
+        def per_part(logits) -> list[torch.Tensor]:
+            out, start = [], 0
+            for p, b, n in zip(parts, batches, sizes):
+                out.append(_gather(logits[start:start + n], b[3], p.temperature))
+                start += n
+            return out
+
+        def forward():
+            if solo:
+                return self._logits(model, input_ids, attn, positions, T)
+            with routed(model, names, sizes):
+                return self._logits(model, input_ids, attn, positions, T)
+
+        refs: list = [None] * len(parts)
+        if any(p.ref for p in parts):
+            # Before the trainable pass: leaving disable_adapter() resets requires_grad.
+            with torch.no_grad(), model.disable_adapter():
+                logits = self._logits(model, input_ids, attn, positions, T)
+                refs = [r if p.ref else None for p, r in zip(parts, per_part(logits))]
+        if solo:
+            model.set_adapter(names[0])
+        proxes: list = [None] * len(parts)
+        if any(p.prox for p in parts):
+            model.eval()
+            with torch.no_grad():
+                proxes = [x if p.prox else None for p, x in zip(parts, per_part(forward()))]
+        model.train()
+        self._trainable(entries)
+        with torch.set_grad_enabled(backward):
+            logps = per_part(forward())
+            fwds = [Forward(p.samples, lp, b[4], b[5], r, x)
+                    for p, lp, b, r, x in zip(parts, logps, batches, refs, proxes)]
+            losses = [p.loss(f) for p, f in zip(parts, fwds)]
+            if backward:
+                torch.stack([v for v, _ in losses]).sum().backward()
+        out = []
+        for f, (v, stats) in zip(fwds, losses):
+            f.logp_B_T = f.logp_B_T.detach()
+            out.append(Result(float(v.detach()), stats, f))
         return out
 
-    def _train(self, entry: _Job, spec: JobSpec, samples: list[TrainSample]) -> dict:
-        cfg = spec.rl
-        with_kl = cfg.kl_coef > 0
-        kept = samples if with_kl else [s for s in samples if s.advantage != 0.0]
-        metrics = {
-            "loss": 0.0, "clip_frac": 0.0, "tis_mean": 0.0, "tis_trunc_frac": 0.0, "kl": 0.0,
-            "grad_norm": 0.0, "n_tokens": 0, "n_samples": len(kept), "n_skipped": len(samples) - len(kept),
-            "noop": False, "nonfinite_grad": False,
-        }  # fmt: skip
-        if not kept or not any(s.completion_ids for s in kept):
-            # Nothing carries signal: publish the same weights and optimiser as version + 1.
-            metrics["noop"] = True
-            return metrics
-
-        self._activate(entry)
+    def optim_step(self, key: str, adam: AdamParams) -> dict:
+        """Apply `adam` to `key`'s accumulated gradients, then clear them. Returns `grad_norm` (when
+        clipping) and `stepped` (False when nothing had a gradient or the norm was NaN/inf: a bad
+        gradient would poison the weights and the moments for good)."""
+        entry = self._entry(key)
+        for g in entry.optimizer.param_groups:
+            g.update(lr=adam.lr, betas=tuple(adam.betas), eps=adam.eps, weight_decay=adam.weight_decay)
+        out: dict = {"stepped": False}
+        if any(p.grad is not None for p in entry.params):
+            if adam.clip > 0:
+                out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(entry.params, adam.clip))
+            if math.isfinite(out.get("grad_norm", 0.0)):
+                entry.optimizer.step()
+                out["stepped"] = True
         entry.optimizer.zero_grad(set_to_none=True)
-        input_ids, attn, positions, mask_B_T, behav_B_T, T = self._batch(kept)
-        prox_B_T = None
-        if needs_prox_pass(spec):
-            # With LoRA dropout the training pass is a perturbed policy, not pi_prox: recompute it.
-            self.model.eval()
-            with torch.no_grad():
-                prox_B_T = self._logprobs(self.model, input_ids, attn, positions, T, spec.temperature)
-        self.model.train()
-        logp_B_T = self._logprobs(self.model, input_ids, attn, positions, T, spec.temperature)
-        ref_B_T = None
-        if with_kl:
-            with torch.no_grad(), self.model.disable_adapter():
-                ref_B_T = self._logprobs(self.model, input_ids, attn, positions, T, spec.temperature)
-        loss, stats = job_loss(spec, samples, kept, logp_B_T, mask_B_T, behav_B_T, ref_B_T, prox_B_T)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(entry.params, GRAD_CLIP)
-        finite = bool(torch.isfinite(grad_norm))
-        if finite:
-            metrics["lr"] = set_lr(entry.optimizer, spec, entry.version)
-            entry.optimizer.step()
-        else:
-            # A NaN/inf gradient would poison the adapter and the moments for good: publish the
-            # unchanged weights (like a no-op step) and flag it, so the job can go on.
-            metrics.update(noop=True, nonfinite_grad=True)
-        entry.optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            m = mask_B_T > 0
-            diff = (logp_B_T.detach() - behav_B_T)[m]
-        metrics.update(stats)
-        metrics.update(
-            loss=loss.item(), grad_norm=float(grad_norm), n_tokens=int(mask_B_T.sum()),
-            prox_minus_behav=float(diff.mean()) if diff.numel() else 0.0,
-        )  # fmt: skip
-        return metrics
+        return out

@@ -3,8 +3,9 @@
 No model here: every function maps tensors to tensors, so each formula is unit-tested on
 hand-computed values (tests/unit/test_rl.py, tests/unit/test_losses.py). The selectable pieces (importance
 weights, proximal policies) live in `marlaas.train.losses`; `spec_loss` wires a job's `RLSpec` to
-them. Shape suffixes: `_G` one value per group member, `_B` per sequence of a batch, `_B_T` per
-(sequence, completion token).
+them; `job_loss` is a job's whole step loss (with its normaliser) and `needs_prox_pass` says when
+the step needs a separate pi_prox pass. Shape suffixes: `_G` one value per group member, `_B` per
+sequence of a batch, `_B_T` per (sequence, completion token).
 
 Advantages (one group = the G completions sampled for one prompt, rewards r_1..r_G)
 -----------------------------------------------------------------------------------
@@ -214,3 +215,44 @@ def spec_loss(
     return make_loss(cfg)(logprobs_B_T, behav_logprobs_B_T, advantages_B, mask_B_T,
                           recomputed_prox_B_T=recomputed_prox_B_T, ref_logprobs_B_T=ref_logprobs_B_T,
                           constant_norm=constant_norm)
+
+
+def needs_prox_pass(spec) -> bool:
+    """Whether a job's step runs a separate no-grad forward for pi_prox: only prox = 'recompute' with
+    LoRA dropout > 0. Without dropout the gradient pass's detached log-probs ARE pi_prox (one optimiser
+    step per batch), and 'a3po' / 'ppo' never need one."""
+    loss = spec.rl.loss
+    return loss.kind == "decoupled_ppo" and loss.prox == "recompute" and spec.lora.dropout > 0
+
+
+def job_loss(
+    spec,
+    samples: list,
+    kept: list,
+    logp_B_T: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    behav_B_T: torch.Tensor,
+    ref_B_T: torch.Tensor | None = None,
+    prox_B_T: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """One job's step loss over its `kept` rows (the batch's tensors), as its `rl` spec selects.
+
+    `samples` are the step's rows (objects with `advantage`, `completion_ids`, `n_actions`), `kept` the
+    ones run through the model. Normalisers: 'token' and 'sequence' count the kept rows, rescaled to
+    the whole batch when `drop_zero_advantage` is off; 'constant' divides by K = max_new_tokens x
+    len(samples) (Dr. GRPO's constant: independent of lengths, every row handed to the trainer counts).
+    `prox_B_T` is a recomputed pi_prox (see `needs_prox_pass`); None reads it off `logp_B_T`.
+    """
+    cfg = spec.rl
+    adv_B = torch.tensor([s.advantage for s in kept], dtype=torch.float32, device=logp_B_T.device)
+    loss, stats = spec_loss(
+        cfg, logp_B_T, behav_B_T, adv_B, mask_B_T, recomputed_prox_B_T=prox_B_T, ref_logprobs_B_T=ref_B_T,
+        constant_norm=float(spec.max_new_tokens * max(len(samples), 1)),
+    )  # fmt: skip
+    if not cfg.drop_zero_advantage and len(kept) < len(samples):
+        # Skipped rows still count in the normaliser: rescale to the full batch's loss.
+        if cfg.aggregation == "token":
+            loss = loss * mask_B_T.sum() / max(1, sum(s.n_actions for s in samples))
+        elif cfg.aggregation == "sequence":
+            loss = loss * sum(1 for s in kept if s.completion_ids) / sum(1 for s in samples if s.completion_ids)
+    return loss, stats

@@ -10,7 +10,7 @@ A block whose adapter does not adapt a layer gets the base output there. Gradien
 adapter whose parameters require grad; each adapter only ever sees its own rows.
 
 Only plain LoRA `Linear` layers are routed: callers check that the model holds no other LoRA layer
-type (`marlaas.train.fused.fusable`). Depends on torch and peft only, so scripts that run
+type (`TrainingEngine.routable`). Depends on torch and peft only, so scripts that run
 without the project's other dependencies (bench/gpu_check.py) can load this file by path.
 """
 

@@ -2,7 +2,9 @@
 
 Idempotent and Celery-free (tasks/train.py wraps it): a duplicate train is a no-op because publishing
 is a compare-and-set on the version. A group missing, unverified or past the job's staleness bound is
-regenerated, never trained on.
+regenerated, never trained on. The trainer lane is not this module's: the caller holds and releases it
+(`tasks.train.trainer_lane`); a skip returns its reason, and the publish script frees the lease it
+names as part of the atomic publish.
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ def train_batch(spec, t: int, rolls: list[dict]) -> tuple[list, list[float], lis
 
 
 def run_train(store: Store, engine, jid: str, t: int, token: str) -> dict:
-    """One policy-gradient step of job `jid` at version t; publishes t+1 exactly once."""
+    """One policy-gradient step of job `jid` at version t on `engine`; publishes t+1 exactly once (under
+    the trainer lease `token`). Returns the step's metrics, or {"skipped": why}."""
     from marlaas.train.engine import TrainState
+    from marlaas.train.step import step
 
     status, version = store.job_fields(jid, "status", "version")
     if status not in ("running",) or version is None or int(version) != t:
-        store.release_trainer(token)
         return {"skipped": "not at this version (already published or job stopped)"}
     spec = store.spec(jid)
     groups = scheduler.step_groups(t, spec.prompts_per_step)
@@ -53,7 +56,6 @@ def run_train(store: Store, engine, jid: str, t: int, token: str) -> dict:
     if bad:
         for g in bad:
             store.invalidate_group(jid, g)
-        store.release_trainer(token)
         return {"skipped": f"groups {bad} missing, unverified or too stale: regenerating"}
 
     samples, rewards_all, staleness = train_batch(spec, t, rolls)
@@ -63,7 +65,7 @@ def run_train(store: Store, engine, jid: str, t: int, token: str) -> dict:
         if opt is not None and opt[0] == t:
             state = TrainState(version=t, adapter=store.adapter(AdapterRef(jid, t)), optimizer=opt[1])
     t0 = time.time()
-    out = engine.step(jid, t, spec, samples, state)
+    out = step(engine, jid, t, spec, samples, state)
     metrics = dict(out.metrics)
     metrics.update(
         step=t + 1,
@@ -78,6 +80,5 @@ def run_train(store: Store, engine, jid: str, t: int, token: str) -> dict:
     if ok and t + 1 >= spec.steps:
         store.transition_status(jid, (JobStatus.RUNNING,), JobStatus.EVALUATING)  # not over a pause
     if not ok:
-        store.release_trainer(token)
         return {"skipped": "version moved during the step (published elsewhere): no-op"}
     return metrics

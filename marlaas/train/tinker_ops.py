@@ -1,18 +1,18 @@
 """The train station's side of the Tinker protocol: run a training model's queued ops, in order, on the
-resident `TrainingEngine` (Celery-free; tasks/tinker.py wraps it).
+resident `TrainingEngine` (Celery-free; tasks/tinker.py wraps it), through the engine's public API only.
 
 A Tinker model is one more adapter in the engine's LRU cache, keyed by its model id (tk<n>), created
-from its LoRA config (rank, alpha 32, targets from train_attn / train_mlp / train_unembed) seeded by
-its `seed`. forward_backward accumulates gradients in the cached adapter's parameters; optim_step
-applies Adam with the request's parameters (lr, betas, eps, decoupled weight decay, optional global
-grad-norm clip), clears the gradients and persists weights + optimizer (`TinkerStore.put_live`), so
-any trainer process continues from the last step. Invariants and limits:
+from its LoRA config (`marlaas.adapters.lora_config_from_tinker`: rank, alpha, targets from
+train_attn / train_mlp / train_unembed) seeded by its `seed`. forward_backward is
+`TrainingEngine.forward_backward` with the named loss of `marlaas.train.tinker_losses` summed over
+the data (gradients accumulate in the cached adapter); optim_step is `TrainingEngine.optim_step` with
+the request's Adam parameters (lr, betas, eps, decoupled weight decay, optional global grad-norm
+clip), then weights + optimizer are persisted (`TinkerStore.put_live`), so any trainer process
+continues from the last step. Invariants and limits:
 - Ops of one model run in seq_id order, one at a time (the single trainer process).
 - Gradients accumulated since the last optim_step live only in the trainer process: a trainer restart
   or an eviction from the engine's cache between forward_backward and optim_step loses them (the
   next optim_step then applies no update for them).
-- This module reaches into the engine's cache helpers (`_install`, `_activate`, `_jobs`): it is the
-  engine's second client, kept out of engine.py to leave that file to its owners.
 """
 
 from __future__ import annotations
@@ -21,35 +21,12 @@ import logging
 
 import torch
 
-from marlaas.errors import NotFound
+from marlaas.adapters import lora_config_from_tinker
+from marlaas.errors import NotFound, UserError
+from marlaas.train.engine import AdamParams, Forward, TrainSample, TrainState
 from marlaas.types import AdapterBlob
 
 log = logging.getLogger("marlaas.tinker")
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
-UNEMBED = ("lm_head",)
-
-
-class UserError(ValueError):
-    """A request the client got wrong (its future fails with category 'user')."""
-
-
-def targets(meta: dict, module_names: set[str]) -> list[str]:
-    """The LoRA target module names of a model's flags that exist in the base."""
-    want: list[str] = []
-    for flag, names in (("train_attn", ATTN), ("train_mlp", MLP), ("train_unembed", UNEMBED)):
-        if int(meta.get(flag, 1)):
-            want += [n for n in names if n in module_names]
-    if not want:
-        raise UserError("the LoRA config trains no module of this base (train_attn / train_mlp / train_unembed)")
-    return want
-
-
-def peft_config(meta: dict, module_names: set[str]):
-    from peft import LoraConfig
-
-    return LoraConfig(r=int(meta["rank"]), lora_alpha=float(meta.get("alpha", 32)), lora_dropout=0.0,
-                      target_modules=targets(meta, module_names), bias="none", task_type="CAUSAL_LM")
 
 
 def _leaf_names(model) -> set[str]:
@@ -61,9 +38,17 @@ def blob_from_state(meta: dict, weights: bytes) -> AdapterBlob:
     from safetensors.torch import load
 
     names = {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in load(weights)}
-    cfg = peft_config(meta, names).to_dict()
+    cfg = lora_config_from_tinker(meta, names).to_dict()
     cfg["target_modules"] = sorted(cfg["target_modules"])
     return AdapterBlob(config=cfg, weights=weights)
+
+
+def datum_sample(tokens: list[int], targets: list[int]) -> TrainSample:
+    """A Tinker datum as the engine's row: position i of `tokens` predicts `targets[i]`. The engine reads
+    a row's T completion positions off the T logits before its last token, so the row is `tokens` plus
+    one more (never read) token, with explicit targets."""
+    return TrainSample(prompt="", prompt_ids=tokens[:1], completion_ids=[*tokens[1:], targets[-1]],
+                       behav_logprobs=[0.0] * len(tokens), advantage=0.0, targets=list(targets))
 
 
 class TinkerTrainer:
@@ -73,23 +58,19 @@ class TinkerTrainer:
         self.ts, self.engine = ts, engine
 
     # ---------------------------------------------------------------- the cached adapter
-    def _entry(self, mid: str, meta: dict, weights: bytes | None = None, opt: bytes | None = None,
-               fresh: bool = False):
-        from safetensors.torch import load
-
+    def _ensure(self, mid: str, meta: dict, weights: bytes | None = None, opt: bytes | None = None) -> None:
+        """Make sure model `mid` is cached: as is, from the given weights (replacing it), from its live
+        state in the store, or fresh from its seed."""
         eng = self.engine
-        entry = eng._jobs.get(mid)
-        if entry is not None and not fresh and weights is None:
-            eng._jobs.move_to_end(mid)
-            return entry
-        if weights is None and not fresh:
+        if weights is None and mid in eng.cached():
+            return
+        if weights is None:
             live = self.ts.live(mid)
             if live is not None:
                 weights, opt = live
-        cfg = peft_config(meta, _leaf_names(eng.base if eng.model is None else eng.model))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(meta.get("seed") or 0))
-            return eng._install(mid, cfg, 0, load(weights) if weights is not None else None, opt, 1e-4)
+        cfg = lora_config_from_tinker(meta, _leaf_names(eng.base if eng.model is None else eng.model))
+        state = None if weights is None else TrainState(0, AdapterBlob(config={}, weights=weights), opt)
+        eng.adapter(mid, cfg, state, seed=int(meta.get("seed") or 0))
 
     def _weights(self, mid: str) -> tuple[AdapterBlob, bytes]:
         return self.engine.adapter_blob(mid), self.engine.optimizer_bytes(mid)
@@ -124,34 +105,39 @@ class TinkerTrainer:
 
         fn = loss_fn(body["loss_fn"])
         config = {k: v for k, v in (body.get("loss_fn_config") or {}).items() if isinstance(v, (int, float))}
-        entry = self._entry(mid, meta)
-        eng = self.engine
-        eng._activate(entry)
-        eng.model.train()
-        dev = eng.device
-        outputs, total = [], 0.0
+        samples, inputs = [], []
         for i, d in enumerate(body["data"]):
-            tokens = d["tokens"]
-            inputs = dict(d["inputs"])
-            if "target_tokens" not in inputs:
+            tokens, named = list(d["tokens"]), dict(d["inputs"])
+            if "target_tokens" not in named:
                 raise UserError(f"datum {i}: loss_fn_inputs needs 'target_tokens'")
-            target = torch.tensor(inputs.pop("target_tokens"), dtype=torch.long, device=dev).reshape(-1)
-            if target.numel() != len(tokens) or not tokens:
-                raise UserError(f"datum {i}: {target.numel()} target tokens for {len(tokens)} input tokens")
-            ids = torch.tensor([tokens], dtype=torch.long, device=dev)
-            with torch.set_grad_enabled(backward):
-                logits = eng.model(input_ids=ids).logits[0].float()
-                lp = torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
-                tensors = {k: torch.tensor(v, dtype=torch.float32, device=dev) for k, v in inputs.items()}
-                loss, elem = fn(lp, tensors, config)
-                if backward:
-                    loss.backward()
-            total += float(loss.detach())
-            out = {"logprobs": ["float32", lp.detach().cpu().tolist()]}
+            target = [int(t) for t in torch.tensor(named.pop("target_tokens")).reshape(-1).tolist()]
+            if len(target) != len(tokens) or not tokens:
+                raise UserError(f"datum {i}: {len(target)} target tokens for {len(tokens)} input tokens")
+            samples.append(datum_sample(tokens, target))
+            inputs.append(named)
+        if not samples:
+            return {"outputs": [], "metrics": {"loss:sum": 0.0}}
+        self._ensure(mid, meta)
+        dev = self.engine.device
+        per_datum: list[tuple[float, torch.Tensor]] = []
+
+        def loss(f: Forward):
+            total = None
+            for lp, named in zip(f.rows(), inputs):
+                tensors = {k: torch.tensor(v, dtype=torch.float32, device=dev) for k, v in named.items()}
+                value, elem = fn(lp, tensors, config)
+                per_datum.append((float(value.detach()), elem.detach()))
+                total = value if total is None else total + value
+            return total, {}
+
+        res = self.engine.forward_backward(mid, samples, loss, backward=backward)
+        outputs = []
+        for lp, (_, elem) in zip(res.forward.rows(), per_datum):
+            out = {"logprobs": ["float32", lp.cpu().tolist()]}
             if body["loss_fn"] == "cross_entropy":
-                out["elementwise_loss"] = ["float32", elem.detach().cpu().tolist()]
+                out["elementwise_loss"] = ["float32", elem.cpu().tolist()]
             outputs.append(out)
-        return {"outputs": outputs, "metrics": {"loss:sum": total}}
+        return {"outputs": outputs, "metrics": {"loss:sum": sum(v for v, _ in per_datum)}}
 
     def op_forward(self, mid: str, meta: dict, body: dict) -> dict:
         return self._forward(mid, meta, body, backward=False)
@@ -161,32 +147,28 @@ class TinkerTrainer:
 
     def op_optim_step(self, mid: str, meta: dict, body: dict) -> dict:
         p = body["adam"]
-        entry = self._entry(mid, meta)
+        self._ensure(mid, meta)
         lr, b1, b2 = float(p.get("learning_rate", 1e-4)), float(p.get("beta1", 0.9)), float(p.get("beta2", 0.95))
         eps, wd, clip = float(p.get("eps", 1e-12)), float(p.get("weight_decay", 0.0)), float(p.get("grad_clip_norm", 0))
         if not (lr >= 0 and 0 <= b1 < 1 and 0 <= b2 < 1 and eps > 0 and wd >= 0):
             raise UserError(f"invalid Adam parameters {p}")
-        for g in entry.optimizer.param_groups:
-            g.update(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+        out = self.engine.optim_step(mid, AdamParams(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, clip=clip))
         metrics: dict[str, float] = {}
-        if any(q.grad is not None for q in entry.params):
-            if clip > 0:
-                metrics["grad_norm:mean"] = float(torch.nn.utils.clip_grad_norm_(entry.params, clip))
-            entry.optimizer.step()
-        entry.optimizer.zero_grad(set_to_none=True)
+        if "grad_norm" in out:
+            metrics["grad_norm:mean"] = out["grad_norm"]
         blob, opt = self._weights(mid)
         self.ts.put_live(mid, blob.weights, opt)
         self.ts.count_step(mid)
         return {"metrics": metrics}
 
     def op_save_weights(self, mid: str, meta: dict, body: dict) -> dict:
-        self._entry(mid, meta)
+        self._ensure(mid, meta)
         blob, opt = self._weights(mid)
         ck = self.ts.put_state(mid, body["name"], blob.weights, opt)
         return {"path": f"tinker://{mid}/{ck}", "type": "save_weights"}
 
     def op_save_weights_for_sampler(self, mid: str, meta: dict, body: dict) -> dict:
-        self._entry(mid, meta)
+        self._ensure(mid, meta)
         blob = self.engine.adapter_blob(mid)
         v = self.ts.put_sampler_weights(mid, blob, body.get("name"))
         if body.get("name") is not None:
@@ -199,7 +181,7 @@ class TinkerTrainer:
 
         src, _, name = parse_path(body["path"])
         weights, opt = self.ts.state(meta["tenant"], src, name)
-        self._entry(mid, meta, weights=weights, opt=opt if body.get("optimizer") else None, fresh=True)
+        self._ensure(mid, meta, weights=weights, opt=opt if body.get("optimizer") else None)
         blob, opt_now = self._weights(mid)
         self.ts.put_live(mid, blob.weights, opt_now)
         return {"path": body["path"], "model_id": mid, "type": "load_weights"}

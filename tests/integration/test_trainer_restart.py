@@ -16,6 +16,7 @@ from marlaas.generate.station import run_generate
 from marlaas.spec import JobSpec
 from marlaas.train.engine import TrainingEngine
 from marlaas.train.station import run_train, train_batch
+from marlaas.train.step import step
 from marlaas.types import AdapterRef
 from marlaas.verify.station import run_verify
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.integration
 
 def one_step(st, gen, trainer, jid, t, P):
     run_generate(st, gen, [["gen", jid, g] for g in range(t * P, (t + 1) * P)])
-    run_verify(st, jid, "train", list(range(t * P, (t + 1) * P)))
+    run_verify(st, jid, "ver", list(range(t * P, (t + 1) * P)))
     token = st.take_trainer(jid, t, 60)
     return run_train(st, trainer, jid, t, token)
 
@@ -49,7 +50,7 @@ def test_restarted_trainer_resumes_adapter_and_optimizer_from_store(st, tiny_bas
 
     # The next step's rollouts; its batch is captured before the restarted trainer consumes it.
     run_generate(st, gen, [["gen", jid, g] for g in range(4, 8)])
-    run_verify(st, jid, "train", list(range(4, 8)))
+    run_verify(st, jid, "ver", list(range(4, 8)))
     samples, _, _ = train_batch(spec, 1, [st.rollout(jid, g) for g in range(4, 8)])
     assert samples
 
@@ -65,7 +66,7 @@ def test_restarted_trainer_resumes_adapter_and_optimizer_from_store(st, tiny_bas
     # The first trainer, still holding version 1 in its cache, takes the same step without the store:
     # the restarted one must have produced exactly the same adapter.
     assert first.cached().get(jid) == 1
-    continuous = st_load(first.step(jid, 1, spec, samples, None).adapter.weights)
+    continuous = st_load(step(first, jid, 1, spec, samples, None).adapter.weights)
     assert continuous.keys() == resumed.keys()
     for k in continuous:
         torch.testing.assert_close(resumed[k], continuous[k], rtol=0, atol=1e-6)

@@ -10,13 +10,10 @@ import torch
 from safetensors.torch import load as st_load
 
 from marlaas.adapters import write_adapter_dir
+from marlaas.errors import TrainStateError
 from marlaas.spec import JobSpec, LoraSpec, RLSpec
-from marlaas.train.engine import (
-    TrainingEngine,
-    TrainSample,
-    TrainState,
-    TrainStateError,
-)
+from marlaas.train.engine import TrainingEngine, TrainSample, TrainState
+from marlaas.train.step import ensure_job, step
 
 pytestmark = pytest.mark.integration
 
@@ -81,7 +78,7 @@ def _opt(out) -> dict:
 def test_step_moves_logprobs_with_the_advantage_sign(engine):
     samples = _on_policy(engine, _samples(1))
     before = engine.completion_logprobs(None, samples)
-    out = engine.step("learn", 0, _spec(), samples, None)
+    out = step(engine, "learn", 0, _spec(), samples, None)
     after = engine.completion_logprobs("learn", samples)
     for s, b, a in zip(samples, before, after):
         if s.advantage > 0:
@@ -98,12 +95,12 @@ def test_step_moves_logprobs_with_the_advantage_sign(engine):
 def test_state_round_trip_equals_continuous_training(engine, random_base):
     spec = _spec(seed=3)
     s1, s2 = _on_policy(engine, _samples(2)), _on_policy(engine, _samples(3))
-    out1 = engine.step("rt", 0, spec, s1, None)
-    out2 = engine.step("rt", 1, spec, s2, None)  # from the cache
+    out1 = step(engine, "rt", 0, spec, s1, None)
+    out2 = step(engine, "rt", 1, spec, s2, None)  # from the cache
     assert int(_opt(out1)["state"][0]["step"]) == 1
 
     other = TrainingEngine(random_base, threads=1, cache_size=2)
-    out2b = other.step("rt", 1, spec, s2, TrainState(1, out1.adapter, out1.optimizer))
+    out2b = step(other, "rt", 1, spec, s2, TrainState(1, out1.adapter, out1.optimizer))
     _assert_same_weights(out2.adapter, out2b.adapter)
     o2, o2b = _opt(out2), _opt(out2b)
     assert len(o2["state"]) == len(o2b["state"]) > 0
@@ -113,9 +110,8 @@ def test_state_round_trip_equals_continuous_training(engine, random_base):
             assert torch.allclose(o2["state"][i][moment], o2b["state"][i][moment], atol=1e-7)
     # Without the optimiser state the same step differs: the moments matter.
     fresh_opt = TrainingEngine(random_base, threads=1, cache_size=2)
-    fresh_opt.load_state("rt", spec, TrainState(1, out1.adapter, out1.optimizer))
-    fresh_opt._jobs["rt"].optimizer.state.clear()
-    out2c = fresh_opt.step("rt", 1, spec, s2, None)
+    ensure_job(fresh_opt, "rt", 1, spec, TrainState(1, out1.adapter, None))  # no optimizer: fresh moments
+    out2c = step(fresh_opt, "rt", 1, spec, s2, None)
     w2, w2c = _weights(out2.adapter), _weights(out2c.adapter)
     assert any(not torch.allclose(w2[k], w2c[k], atol=1e-6) for k in w2)
 
@@ -125,34 +121,31 @@ def test_blob_loads_in_plain_peft_with_equal_logits(engine, random_base, tmp_pat
     from transformers import AutoModelForCausalLM
 
     samples = _on_policy(engine, _samples(4))
-    out = engine.step("peft", 0, _spec(rank=8), samples, None)
+    out = step(engine, "peft", 0, _spec(rank=8), samples, None)
     d = write_adapter_dir(out.adapter, tmp_path / "adapter")
     assert sorted(p.name for p in d.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(random_base), d).eval()
     base = AutoModelForCausalLM.from_pretrained(random_base).eval()
     ids = torch.tensor([engine.tokenizer("abc:")["input_ids"] + [5, 6, 7]])
     with torch.no_grad():
-        got = plain(input_ids=ids).logits
-        base_logits = base(input_ids=ids).logits
-    engine._activate(engine._jobs["peft"])
-    engine.model.eval()
-    with torch.no_grad():
-        want = engine.model(input_ids=ids).logits
+        got = torch.log_softmax(plain(input_ids=ids).logits[0, -4:-1], -1)[torch.arange(3), ids[0, -3:]]
+        base_lp = torch.log_softmax(base(input_ids=ids).logits[0, -4:-1], -1)[torch.arange(3), ids[0, -3:]]
+    want = torch.tensor(engine.completion_logprobs("peft", [TrainSample("abc:", [5, 6, 7], [0.0] * 3, 0.0)])[0])
     assert torch.allclose(got, want, atol=1e-5)
-    assert not torch.allclose(got, base_logits, atol=1e-4)  # the adapter is not a no-op
+    assert not torch.allclose(got, base_lp, atol=1e-4)  # the adapter is not a no-op
 
 
 def test_jobs_with_different_ranks_do_not_disturb_each_other(engine):
     sa, sb = _on_policy(engine, _samples(5)), _on_policy(engine, _samples(6))
     base_lp = engine.completion_logprobs(None, sa)
-    a1 = engine.step("iso-a", 0, _spec(rank=4), sa, None)
+    a1 = step(engine, "iso-a", 0, _spec(rank=4), sa, None)
     lp_a = engine.completion_logprobs("iso-a", sa)
-    b1 = engine.step("iso-b", 0, _spec(rank=8), sb, None)
-    engine.step("iso-b", 1, _spec(rank=8), sb, None)
+    b1 = step(engine, "iso-b", 0, _spec(rank=8), sb, None)
+    step(engine, "iso-b", 1, _spec(rank=8), sb, None)
     _assert_same_weights(engine.adapter_blob("iso-a"), a1.adapter, exact=True)
     assert engine.completion_logprobs("iso-a", sa) == lp_a
     b2 = engine.adapter_blob("iso-b")
-    engine.step("iso-a", 1, _spec(rank=4), sa, None)
+    step(engine, "iso-a", 1, _spec(rank=4), sa, None)
     _assert_same_weights(engine.adapter_blob("iso-b"), b2, exact=True)
     assert engine.completion_logprobs(None, sa) == base_lp  # the base never changes
     assert {w.shape[0] for k, w in _weights(a1.adapter).items() if "lora_A" in k} == {4}
@@ -162,33 +155,33 @@ def test_jobs_with_different_ranks_do_not_disturb_each_other(engine):
 def test_fresh_adapter_is_deterministic_from_the_seed(random_base):
     samples = _samples(7)
     e1 = TrainingEngine(random_base, threads=1, cache_size=4)
-    first = e1.step("det", 0, _spec(seed=11), samples, None)
+    first = step(e1, "det", 0, _spec(seed=11), samples, None)
     e2 = TrainingEngine(random_base, threads=1, cache_size=4)
-    e2.step("other", 0, _spec(seed=5), samples, None)  # consumes RNG and adds an adapter first
-    second = e2.step("det", 0, _spec(seed=11), samples, None)
+    step(e2, "other", 0, _spec(seed=5), samples, None)  # consumes RNG and adds an adapter first
+    second = step(e2, "det", 0, _spec(seed=11), samples, None)
     _assert_same_weights(first.adapter, second.adapter)
 
 
 def test_lru_eviction_then_reload_from_state(random_base):
     eng = TrainingEngine(random_base, threads=1, cache_size=1)
     sa, sb = _samples(8), _samples(9)
-    a1 = eng.step("lru-a", 0, _spec(), sa, None)
-    eng.step("lru-b", 0, _spec(), sb, None)
+    a1 = step(eng, "lru-a", 0, _spec(), sa, None)
+    step(eng, "lru-b", 0, _spec(), sb, None)
     assert eng.cached() == {"lru-b": 1}
     with pytest.raises(TrainStateError):
-        eng.step("lru-a", 1, _spec(), sa, None)  # evicted and no state given
+        step(eng, "lru-a", 1, _spec(), sa, None)  # evicted and no state given
     with pytest.raises(TrainStateError):
-        eng.step("lru-a", 2, _spec(), sa, TrainState(1, a1.adapter, a1.optimizer))  # wrong version
+        step(eng, "lru-a", 2, _spec(), sa, TrainState(1, a1.adapter, a1.optimizer))  # wrong version
     with pytest.raises(TrainStateError):
-        eng.step("lru-a", 1, _spec(rank=8), sa, TrainState(1, a1.adapter, a1.optimizer))  # spec mismatch
-    a2 = eng.step("lru-a", 1, _spec(), sa, TrainState(1, a1.adapter, a1.optimizer))
+        step(eng, "lru-a", 1, _spec(rank=8), sa, TrainState(1, a1.adapter, a1.optimizer))  # spec mismatch
+    a2 = step(eng, "lru-a", 1, _spec(), sa, TrainState(1, a1.adapter, a1.optimizer))
     assert eng.cached() == {"lru-a": 2}
     assert int(_opt(a2)["state"][0]["step"]) == 2
 
 
 def test_all_zero_advantages_publish_a_noop_version(engine):
     samples = [TrainSample(s.prompt, s.completion_ids, s.behav_logprobs, 0.0) for s in _samples(10)]
-    out = engine.step("noop", 0, _spec(), samples, None)
+    out = step(engine, "noop", 0, _spec(), samples, None)
     assert out.metrics["noop"] and out.metrics["n_samples"] == 0 and out.metrics["n_skipped"] == 6
     assert _opt(out)["state"] == {}
     assert all(torch.count_nonzero(w) == 0 for k, w in _weights(out.adapter).items() if "lora_B" in k)
@@ -204,8 +197,8 @@ def test_skipped_zero_advantage_rows_count_in_the_normaliser_unless_dropped(engi
     s[0].advantage, s[1].advantage = 1.0, 0.0
     samples = _on_policy(engine, s)
     n0, n1 = len(s[0].completion_ids), len(s[1].completion_ids)
-    dropped = engine.step("skip-d", 0, _spec(drop_zero_advantage=True), samples, None)
-    kept = engine.step("skip-k", 0, _spec(drop_zero_advantage=False), samples, None)
+    dropped = step(engine, "skip-d", 0, _spec(drop_zero_advantage=True), samples, None)
+    kept = step(engine, "skip-k", 0, _spec(drop_zero_advantage=False), samples, None)
     assert dropped.metrics["loss"] == pytest.approx(-1.0, abs=1e-5)
     assert kept.metrics["loss"] == pytest.approx(-n0 / (n0 + n1), abs=1e-5)
     assert dropped.metrics["n_samples"] == 1 and dropped.metrics["n_skipped"] == 1
@@ -214,17 +207,17 @@ def test_skipped_zero_advantage_rows_count_in_the_normaliser_unless_dropped(engi
 def test_kl_term_uses_the_base_with_the_adapter_disabled(engine):
     spec = _spec(kl_coef=0.5)
     samples = _on_policy(engine, _samples(12))
-    out0 = engine.step("kl", 0, spec, samples, None)
+    out0 = step(engine, "kl", 0, spec, samples, None)
     assert out0.metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # version 0 is the base
-    out1 = engine.step("kl", 1, spec, _on_policy(engine, samples, "kl"), None)
+    out1 = step(engine, "kl", 1, spec, _on_policy(engine, samples, "kl"), None)
     assert out1.metrics["kl"] > 0
 
 
 def test_nonfinite_gradient_leaves_the_adapter_unchanged(engine):
-    good = engine.step("nan", 0, _spec(), _samples(13), None)
+    good = step(engine, "nan", 0, _spec(), _samples(13), None)
     bad = [TrainSample(s.prompt, s.completion_ids, [float("nan")] * len(s.completion_ids), s.advantage)
            for s in _samples(14)]  # fmt: skip
-    out = engine.step("nan", 1, _spec(), bad, None)
+    out = step(engine, "nan", 1, _spec(), bad, None)
     assert out.metrics["nonfinite_grad"] and out.metrics["noop"]
     assert out.metrics["loss"] is None  # NaN is not JSON
     _assert_same_weights(out.adapter, good.adapter, exact=True)
@@ -238,16 +231,41 @@ def test_schedule_sets_each_steps_rate_by_the_version_trained_from(random_base):
     peak = TrainingEngine(random_base, threads=1)
     warm = TrainingEngine(random_base, threads=1)
     sched = _spec().model_copy(update={"steps": 4, "lr_schedule": "linear", "warmup_steps": 2})
-    w0 = _weights(peak.step("p", 0, _spec(), _on_policy(peak, samples), None).adapter)
-    w1 = _weights(warm.step("w", 0, sched, _on_policy(warm, samples), None).adapter)
-    init = _weights(TrainingEngine(random_base, threads=1).step("z", 0, _spec(), [], None).adapter)
+    w0 = _weights(step(peak, "p", 0, _spec(), _on_policy(peak, samples), None).adapter)
+    w1 = _weights(step(warm, "w", 0, sched, _on_policy(warm, samples), None).adapter)
+    init = _weights(step(TrainingEngine(random_base, threads=1), "z", 0, _spec(), [], None).adapter)
     moved_peak = sum(float((w0[k] - init[k]).abs().sum()) for k in w0)
     moved_warm = sum(float((w1[k] - init[k]).abs().sum()) for k in w1)
     assert moved_peak > 0 and moved_warm / moved_peak == pytest.approx(0.5, rel=1e-3)
     rates = []
     for v in range(4):
-        out = warm.step("w2", v, sched, _on_policy(warm, samples, "w2" if v else None), None)
+        out = step(warm, "w2", v, sched, _on_policy(warm, samples, "w2" if v else None), None)
         rates.append(out.metrics["lr"])
         assert _opt(out)["param_groups"][0]["lr"] == pytest.approx(out.metrics["lr"])
     # steps 4, W 2: warm-up 1/2, 2/2; then linear to 0 over the remaining 2: p = 0, 1/2.
     assert rates == pytest.approx([0.5e-2, 1e-2, 1e-2, 0.5e-2])
+
+
+def test_forward_backward_accumulates_until_optim_step(engine):
+    """The engine's Tinker-shaped primitives: two forward_backward calls leave the gradient of one call
+    over both halves; optim_step steps, reports the clipped norm and clears them."""
+    from marlaas.adapters import lora_config_from_spec
+    from marlaas.train.engine import AdamParams
+
+    def nll(f):
+        return -(f.logp_B_T * f.mask_B_T).sum(), {}
+
+    samples, cfg = _samples(21, 4), lora_config_from_spec(LoraSpec(rank=4))
+    engine.adapter("acc-a", cfg, seed=3)
+    engine.adapter("acc-b", cfg, seed=3)
+    engine.forward_backward("acc-a", samples[:2], nll)
+    res = engine.forward_backward("acc-a", samples[2:], nll)
+    engine.forward_backward("acc-b", samples, nll)
+    assert [len(r) for r in res.forward.rows()] == [len(s.completion_ids) for s in samples[2:]]
+    grads = [(a.grad, b.grad) for a, b in zip(engine.parameters("acc-a"), engine.parameters("acc-b"))]
+    assert any(float(a.abs().max()) > 0 for a, _ in grads)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in grads)
+    out = engine.optim_step("acc-a", AdamParams(lr=1e-2, clip=1.0))
+    assert out["stepped"] and out["grad_norm"] > 0
+    assert all(p.grad is None for p in engine.parameters("acc-a"))
+    assert engine.optim_step("acc-a", AdamParams(lr=1e-2)) == {"stepped": False}  # nothing accumulated

@@ -136,3 +136,44 @@ def test_zero_advantage_gives_zero_loss_and_gradient():
     _, _, loss, grad = _toy_step(0.0)
     assert loss == 0.0
     assert torch.count_nonzero(grad) == 0
+
+
+def _job(dropout: float = 0.0, **rl):
+    from marlaas.spec import JobSpec, LoraSpec, RLSpec
+
+    return JobSpec.model_construct(task="sort", lora=LoraSpec(dropout=dropout), rl=RLSpec(**rl), max_new_tokens=4)
+
+
+class _Row:
+    def __init__(self, n: int, advantage: float):
+        self.completion_ids, self.advantage, self.n_actions = [7] * n, advantage, n
+
+
+def test_needs_prox_pass_only_for_recompute_with_dropout():
+    from marlaas.train.rl import needs_prox_pass
+
+    assert needs_prox_pass(_job(0.1)) is True
+    assert needs_prox_pass(_job(0.0)) is False
+    assert needs_prox_pass(_job(0.1, loss={"kind": "ppo"})) is False
+    assert needs_prox_pass(_job(0.1, loss={"kind": "decoupled_ppo", "prox": "a3po", "alpha": 0.5})) is False
+
+
+def test_job_loss_counts_skipped_rows_in_the_normaliser_unless_dropped():
+    """On-policy rows (ratio 1, weight 1): the per-token loss is -A. Kept rows: A = 1 (2 tokens) and
+    A = -1 (1 token); a skipped zero-advantage row of 3 tokens still counts unless dropped."""
+    from marlaas.train.rl import job_loss
+
+    kept = [_Row(2, 1.0), _Row(1, -1.0)]
+    samples = [*kept, _Row(3, 0.0)]
+    logp = torch.tensor([[-1.0, -2.0], [0.0, -1.5]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0], [0.0, 1.0]])
+    behav = logp.detach().clone()
+    kept_sum = -(1.0 + 1.0) + 1.0  # sum over kept tokens of -A
+    dropped, _ = job_loss(_job(drop_zero_advantage=True), samples, kept, logp, mask, behav)
+    assert dropped.item() == pytest.approx(kept_sum / 3)  # token mean over the 3 kept tokens
+    full, _ = job_loss(_job(drop_zero_advantage=False), samples, kept, logp, mask, behav)
+    assert full.item() == pytest.approx(kept_sum / 6)  # over all 6 tokens handed to the trainer
+    seq, _ = job_loss(_job(drop_zero_advantage=False, aggregation="sequence"), samples, kept, logp, mask, behav)
+    assert seq.item() == pytest.approx((-1.0 + 1.0) / 3)  # per-sequence means (-1, +1) over 3 sequences
+    const, _ = job_loss(_job(aggregation="constant"), samples, kept, logp, mask, behav)
+    assert const.item() == pytest.approx(kept_sum / (4 * 3))  # K = max_new_tokens x len(samples)
