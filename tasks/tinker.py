@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from marlaas.store.tinker import TinkerStore
 from tasks.app import app
-from tasks.common import kick, send, station_event, store, worker_name
+from tasks.common import kick, send, station_event, store
 
 
 @lru_cache(maxsize=1)
@@ -35,15 +35,13 @@ def tinker_train(model_id: str, token: str) -> dict:
     optim_step), under the lease the tick took for it; then the lane is free and the model goes back
     to the candidates if ops remain."""
     from marlaas.train.tinker_ops import TinkerTrainer
-    from tasks.train import engine, tick_here
+    from tasks.train import engine, tick_here, trainer_lane
 
     ts = tinker_store()
-    store().claim_trainer(token, f"train@{worker_name()}")
     try:
-        with station_event("train", [model_id], tinker=True):
+        with trainer_lane(token), station_event("train", [model_id], tinker=True):
             n = TinkerTrainer(ts, engine()).run_queue(model_id, until_step=True)
     finally:
-        store().release_trainer(token)
         if ts.queue_length(model_id):
             ts.mark_pending(model_id)
         tick_here()

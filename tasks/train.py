@@ -6,17 +6,24 @@ message is on the queue the moment this one is acknowledged, one broker round tr
 wake-up sooner (the trainer's idle gap between steps; bench/throughput.py reports it). When another
 tick holds the lock, a tick is kicked as every other station does. One Celery task is one step, so
 Flower lists every step and a lost worker loses at most the step it was running.
+
+The trainer lane is held by ONE context manager, `trainer_lane(token)`, for both job steps (`train`)
+and Tinker steps (`tasks.tinker.tinker_train`): it names this worker on the lease and releases it on
+every exit. Releases are token-checked, so releasing a lease that the publish script already freed,
+or that the tick has since given to another task (another token), changes nothing.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from marlaas.control import dispatch
 from marlaas.settings import get_settings
 from marlaas.train import station
 from tasks.app import app
-from tasks.common import base_dir, kick, send, station_event, store, worker_name
+from tasks.common import base_dir, kick, send, station_event, store, tick_config, worker_name
 
 log = logging.getLogger("marlaas.train")
 _engine = None
@@ -35,7 +42,7 @@ def engine():
 def tick_here() -> None:
     """Run the scheduler tick in this process; kick one instead if another tick holds the lock."""
     try:
-        ran = dispatch.tick(store(), send) is not None
+        ran = dispatch.tick(store(), send, tick_config()) is not None
     except Exception as e:  # a failed tick here must not fail the step: the control worker ticks anyway
         log.warning("tick after the train step failed (%s: %s); kicking the control worker", type(e).__name__, e)
         ran = False
@@ -43,17 +50,27 @@ def tick_here() -> None:
         kick()
 
 
-@app.task(name="marlaas.train", ignore_result=True)
-def train(job_id: str, version: int, token: str) -> dict:
+@contextmanager
+def trainer_lane(token: str) -> Iterator[None]:
+    """Hold the trainer lane `token` for the block (this worker named on the lease); released on every
+    exit, once (token-checked: see the module docstring)."""
     store().claim_trainer(token, f"train@{worker_name()}")
     try:
-        with station_event("train", [job_id], version=version):
-            out = station.run_train(store(), engine(), job_id, version, token)
-    except Exception as e:
-        # Free the lane at once (other tenants go on); a job that keeps failing is stopped.
+        yield
+    finally:
         store().release_trainer(token)
-        store().count_failure(job_id, "train", e)
-        raise
+
+
+@app.task(name="marlaas.train", ignore_result=True)
+def train(job_id: str, version: int, token: str) -> dict:
+    try:
+        try:
+            with trainer_lane(token), station_event("train", [job_id], version=version):
+                out = station.run_train(store(), engine(), job_id, version, token)
+        except Exception as e:
+            # The lane is already free (other tenants go on); a job that keeps failing is stopped.
+            store().count_failure(job_id, "train", e)
+            raise
     finally:
         tick_here()
     return {k: v for k, v in out.items() if k in ("step", "reward_mean", "skipped", "loss")}
