@@ -7,7 +7,7 @@ Every published adapter version is a new adapter for the generate station. The e
 every module of the model, whose number grows with the adapters registered, and PEFT's set_adapter
 (single-adapter batches) walks them too. Measured here on the default-preset model (random weights,
 LoRA r=16 on all linear layers, 1 thread): for versions 1..N loaded one after another, the time of
-`_ensure` (load) and of one 64-row generate call on that version, with
+`HFEngine.load` (load) and of one 64-row generate call on that version, with
   before: PEFT's path for every load (slot reuse disabled) and `set_adapter` for single-adapter batches;
   after:  the engine as it is (full cache: the LRU slot is overwritten in place; one adapter: stacked).
 Medians over the versions loaded while the cache was full (the steady state of a long run).
@@ -37,14 +37,13 @@ def run(mode: str, workdir: Path, versions: int, max_adapters: int) -> dict:
         return read_adapter_dir(workdir / "adapters" / f"job{ref.version % 4}")
 
     eng = HFEngine(workdir / "base", source, threads=1, max_adapters=max_adapters,
-                   mixed_path="stacked" if mode == "after" else "peft")
-    if mode == "before":
-        eng._overwrite = lambda name, state: False  # PEFT's add/delete for every load
+                   mixed_path="stacked" if mode == "after" else "peft",
+                   reuse_slots=mode == "after")  # before: PEFT's add/delete for every load
     load, gen = [], []
     for v in range(1, versions + 1):
         ref = AdapterRef("j", v)
         t = time.perf_counter()
-        eng._ensure(ref)
+        eng.load(ref)
         load.append(time.perf_counter() - t)
         t = time.perf_counter()
         eng.generate([GenRequest(key="p", prompt="sort:3 1 2=", adapter=ref, n=64, temperature=1.0,

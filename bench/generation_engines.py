@@ -39,14 +39,14 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def build(workdir: Path, n_adapters: int, seed: int = 0) -> None:
     """The default-preset base (random weights) and n random adapters as PEFT directories."""
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    from marlaas.adapters import blob_from_peft, write_adapter_dir
+    from marlaas.adapters import blob_from_peft, lora_config, write_adapter_dir
     from marlaas.base.tiny import init_model, save
 
     model, tok = init_model("default", seed=seed)
     save(model, tok, workdir / "base")
-    pm = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0))
+    pm = get_peft_model(model, lora_config(16, list(TARGETS)))
     gen = torch.Generator().manual_seed(seed)
     for k in range(n_adapters):
         with torch.no_grad():
@@ -129,6 +129,8 @@ def versions() -> dict:
 
 
 def main() -> None:
+    from marlaas.adapters import default_alpha
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/generation_engines.json")
     ap.add_argument("--threads", type=int, default=1)
@@ -194,7 +196,7 @@ def main() -> None:
             "ignore_eos": True,
             "temperature": 1.0,
             "adapter_cases": CASES,
-            "adapter": "LoRA r=16 alpha=32 on q,k,v,o,gate,up,down; random B",
+            "adapter": f"LoRA r=16 alpha={default_alpha():g} on q,k,v,o,gate,up,down; random B",
             "model": "basemodel preset 'default' (random weights, fp32)",
             "statistic": f"median of {args.repeats} after one warm-up call",
         },

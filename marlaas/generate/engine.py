@@ -23,6 +23,9 @@ Contract, common to both:
   uses a ref, kept in an LRU of `max_adapters` versions, and `serves(ref)` says whether that version
   is loaded in the engine right now (vLLM: checked against the engine's own list of LoRA ids).
   `adapter=None` is served by the base model.
+- `prompt_logprobs(ref, tokens)`: log p(token_i | tokens_<i) under an adapter (None = base), None at
+  position 0 (Tinker's prompt logprobs). The HF engine computes them with one forward; an engine
+  that cannot (vLLM here) raises `SampleError`, a one-line MarlaasError the Tinker door reports.
 - Each engine honours a `threads` budget (several worker processes share few cores).
 
 Tokenization: both engines tokenize prompts and decode completions with `load_tokenizer(base_path)`,
@@ -42,6 +45,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
 from marlaas.base.tiny import load_tokenizer  # noqa: F401  (re-exported: engines import it from here)
+from marlaas.errors import SampleError
 from marlaas.types import AdapterBlob, AdapterRef, GenRequest, GenResult
 
 AdapterSource = Callable[[AdapterRef], AdapterBlob]
@@ -78,6 +82,10 @@ class GenerationEngine(ABC):
     def loaded(self) -> list[AdapterRef]:
         """The adapter versions currently cached, least recently used first."""
         return []
+
+    def prompt_logprobs(self, ref: AdapterRef | None, tokens: list[int]) -> list[float | None]:
+        """log p(token_i | tokens_<i) under adapter `ref` (None = base); None at position 0."""
+        raise SampleError(f"prompt logprobs are not supported by the {self.kind} engine: serve them with the hf engine")
 
     def __enter__(self):
         return self

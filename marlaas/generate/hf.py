@@ -4,7 +4,7 @@ One resident base (float32 on the CPU, bfloat16 on a GPU: MARLAAS_DEVICE, MARLAA
 a PeftModel that holds up to `max_adapters` adapter versions. A job's new version is written in
 place into the slot of its previous version (same LoRA shape), or once the cache is full into the
 least recently used slot, instead of PEFT's add/delete, whose cost grows with the adapters
-registered (`_ensure`).
+registered (`_ensure`; `load(ref)` loads one ahead of a call).
 Requests are grouped by (temperature, max_new_tokens, greedy, stop); each group is one `generate`
 call over all its rows (each request's prompt repeated `n` times, left-padded; the group's stop
 tokens act as extra EOS ids, but only EOS marks a completion `finished`):
@@ -22,6 +22,7 @@ tokens act as extra EOS ids, but only EOS marks a completion `finished`):
 Log-probs are `log_softmax` of the scores the sampler actually used (transformers' processed
 scores: logits / temperature when sampling, raw logits when greedy); top-k and top-p are disabled
 explicitly so a model's generation_config defaults (e.g. top_k=50) never apply.
+`prompt_logprobs(ref, tokens)` (Tinker's prompt logprobs) is one forward on the same adapter paths.
 
 Seeds: if any request of a group carries a seed, the group samples under a forked torch RNG seeded
 with a value derived from all seeds of that group (in order) and the group's settings, so the same
@@ -99,6 +100,7 @@ class HFEngine(GenerationEngine):
         mixed_path: str = "stacked",
         device: str = "cpu",
         dtype: str = "auto",
+        reuse_slots: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -110,6 +112,7 @@ class HFEngine(GenerationEngine):
         if mixed_path not in ("stacked", "peft"):
             raise ValueError(f"mixed_path must be 'stacked' or 'peft', not {mixed_path!r}")
         self.mixed_path = mixed_path
+        self.reuse_slots = reuse_slots  # False: PEFT's add/delete for every load (bench/adapter_load.py's baseline)
         _set_threads(threads)
         self.tokenizer = load_tokenizer(base_path)
         self.device = resolve_device(device)
@@ -132,6 +135,10 @@ class HFEngine(GenerationEngine):
     def loaded(self) -> list[AdapterRef]:
         return list(self._cache)
 
+    def load(self, ref: AdapterRef) -> None:
+        """Load adapter version `ref` now (a generate call that needs it loads it too)."""
+        self._ensure(ref)
+
     def _ensure(self, ref: AdapterRef, keep: frozenset = frozenset()) -> str:
         """The registered name serving `ref`, loading it if needed. A new version takes over, in
         place, the slot of an older version of the same job (generation always samples with a
@@ -151,7 +158,8 @@ class HFEngine(GenerationEngine):
                       if r.job_id == ref.job_id and r.version < ref.version and r not in keep), None)
         lru = next(iter(self._cache.items())) if len(self._cache) >= self.max_adapters else None
         for old_ref, old in [c for c in (older, lru) if c is not None]:
-            if old_ref not in keep and self._shape.get(old) == shape and self._overwrite(old, state):
+            if old_ref not in keep and self.reuse_slots and self._shape.get(old) == shape \
+                    and self._overwrite(old, state):
                 del self._cache[old_ref]
                 self._cache[ref] = old
                 return old
@@ -217,6 +225,25 @@ class HFEngine(GenerationEngine):
             for dest, tensor in dests:
                 dest.copy_(tensor)
         return True
+
+    def prompt_logprobs(self, ref: AdapterRef | None, tokens: list[int]) -> list[float | None]:
+        """log p(token_i | tokens_<i) under adapter `ref` (None = base), by one forward with the
+        generation paths' own adapter switching; None at position 0."""
+        import torch
+
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            if self.peft is None and ref is None:
+                logits = self.model(input_ids=ids).logits
+            elif ref is None:
+                with base_only(self.peft, list(self._layers().values())):
+                    logits = self.peft(input_ids=ids).logits
+            else:
+                name = self._ensure(ref)
+                with stacked_lora(self.peft, [name], BASE, list(self._layers().values())):
+                    logits = self.peft(input_ids=ids).logits
+            lp = torch.log_softmax(logits[0, :-1].float(), dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+        return [None, *lp.tolist()]
 
     # -- generation ------------------------------------------------------------------------------
 

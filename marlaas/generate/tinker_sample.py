@@ -9,22 +9,20 @@ base model, a prompt as token ids and the SDK's SamplingParams. Mapping onto `Ge
 - stop strings / stop token ids must each be ONE token (engine limit); top_k / top_p other than off
   are refused;
 - sequences end with "stop" when the model emitted EOS or a stop token, else "length".
-Prompt logprobs (when asked) are computed by one extra forward pass with the same adapter on the HF
-engine (position 0 has none: None); the vLLM engine refuses them.
+Prompt logprobs (when asked) are the engine's public `prompt_logprobs(ref, tokens)` (one extra forward
+with the same adapter on the HF engine; position 0 has none: None); the vLLM engine refuses them
+with a SampleError.
 """
 
 from __future__ import annotations
 
 import logging
 
+from marlaas.errors import SampleError
 from marlaas.types import AdapterRef, GenRequest
 
 log = logging.getLogger("marlaas.tinker")
 DEFAULT_MAX_TOKENS = 16
-
-
-class SampleError(ValueError):
-    """A sample request this engine cannot serve (its future fails with category 'user')."""
 
 
 def gen_request(tokenizer, rid: str, body: dict) -> GenRequest:
@@ -48,30 +46,6 @@ def gen_request(tokenizer, rid: str, body: dict) -> GenRequest:
                       temperature=temperature if temperature > 0 else 1.0, greedy=temperature <= 0,
                       max_new_tokens=int(p.get("max_tokens") or DEFAULT_MAX_TOKENS),
                       seed=p.get("seed"), stop=tuple(stops))
-
-
-def prompt_logprobs(engine, ref: AdapterRef | None, tokens: list[int]) -> list[float | None]:
-    """log p(token_i | tokens_<i) under the adapter (None = base); None at position 0 (HF engine only)."""
-    import torch
-
-    if getattr(engine, "kind", "") != "hf":
-        raise SampleError("prompt_logprobs need the hf engine on this deployment")
-    from marlaas.generate.hf import BASE
-    from marlaas.generate.stacked_lora import base_only, stacked_lora
-
-    ids = torch.tensor([tokens], dtype=torch.long, device=engine.device)
-    with torch.inference_mode():
-        if engine.peft is None and ref is None:
-            logits = engine.model(input_ids=ids).logits
-        elif ref is None:
-            with base_only(engine.peft, list(engine._layers().values())):
-                logits = engine.peft(input_ids=ids).logits
-        else:
-            name = engine._ensure(ref)
-            with stacked_lora(engine.peft, [name], BASE, list(engine._layers().values())):
-                logits = engine.peft(input_ids=ids).logits
-        lp = torch.log_softmax(logits[0, :-1].float(), dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
-    return [None, *lp.tolist()]
 
 
 def run_samples(ts, engine, rids: list[str]) -> int:
@@ -104,7 +78,7 @@ def run_samples(ts, engine, rids: list[str]) -> int:
                      else "length"} for c in res.completions]
             out: dict = {"sequences": seqs}
             if body.get("prompt_logprobs"):
-                out["prompt_logprobs"] = prompt_logprobs(engine, r.adapter, list(body["tokens"]))
+                out["prompt_logprobs"] = engine.prompt_logprobs(r.adapter, list(body["tokens"]))
             ts.finish(r.key, out)
         except SampleError as e:
             ts.fail(r.key, f"SampleError: {e}", "user")

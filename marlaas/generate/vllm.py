@@ -50,6 +50,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from marlaas.adapters import write_adapter_dir
+from marlaas.errors import SampleError
 from marlaas.generate.engine import (
     AdapterSource,
     GenerationEngine,
@@ -152,6 +153,10 @@ class VLLMEngine(GenerationEngine):
 
     def loaded(self) -> list[AdapterRef]:
         return list(self._cache)
+
+    def prompt_logprobs(self, ref: AdapterRef | None, tokens: list[int]) -> list[float | None]:
+        """Not served here: vLLM's prompt logprobs would need a second engine mode (SampleError)."""
+        raise SampleError("prompt logprobs are not supported by the vllm engine: serve them with the hf engine")
 
     def lora_request(self, ref: AdapterRef):
         """The LoRARequest serving this ref (loading it if needed)."""
