@@ -7,7 +7,7 @@ The scheduling table `m:sched:jobs` (hash job -> "status\\tversion\\tdispatched\
 those five fields of every job in `m:jobs:active`, so that a tick reads all jobs with one HGETALL
 or, better, only the rows changed since its last read: the change log `m:sched:changes` (zset job
 -> sequence number of its row's last change) and the epoch `m:sched:epoch` let a process keep a copy
-of the table (marlaas/control/dispatch.py). Invariant: every write of those fields (create_job, set_status,
+of the table (marlaas/control/memory.py). Invariant: every write of those fields (create_job, set_status,
 advance_dispatched, advance_pass, publish, the tick's own writes) re-derives the job's row from its
 hash in the same atomic step (`sync_row` below: row present iff the job is active; a row that comes
 out different gets the next sequence number). TICK_STATE rebuilds the table, with a new epoch, when

@@ -12,14 +12,13 @@ from marlaas.store.keys import (
     adapter_key,
     eval_key,
     evals_key,
-    item_name,
     job_key,
     lease_index_key,
     parse_item,
     roll_key,
     verified_key,
 )
-from marlaas.types import AdapterRef, ItemKind, Rollout
+from marlaas.types import AdapterRef, ItemKind, Rollout, WorkItem
 
 
 class WorkOps:
@@ -35,7 +34,7 @@ class WorkOps:
             p.zadd(LEASES, {i: until for i in items})
             by_job: dict[str, list[str]] = {}
             for i in items:
-                by_job.setdefault(i.split("|", 2)[1], []).append(i)
+                by_job.setdefault(parse_item(i)[1], []).append(i)
             for j, names in by_job.items():
                 p.sadd(lease_index_key(j), *names)
             if pipe is None:
@@ -70,7 +69,7 @@ class WorkOps:
         p.execute()
 
     # ---------------------------------------------------------------- rollouts
-    def _put_attempt(self, key: str, version: int, data: dict, done: str, next_lease: str, *extra) -> str:
+    def _put_attempt(self, key: str, version: int, data: dict, done: WorkItem, next_item: WorkItem, *extra) -> str:
         """Store a (re)generated result under a fresh attempt id: its lease moves from generation
         (`done`) to verification (`next_lease`); `extra` are more pipeline calls to run atomically."""
         attempt = uuid.uuid4().hex
@@ -79,16 +78,16 @@ class WorkOps:
         p.hset(key, mapping={"attempt": attempt, "version": version, "data": _group_json(data)})
         for method, *args in extra:
             getattr(p, method)(*args)
-        p.zrem(LEASES, done)
-        p.zadd(LEASES, {next_lease: time.time() + self.lease_s})
-        p.sadd(lease_index_key(parse_item(next_lease)[1]), next_lease)
+        p.zrem(LEASES, done.name)
+        p.zadd(LEASES, {next_item.name: time.time() + self.lease_s})
+        p.sadd(lease_index_key(next_item.job), next_item.name)
         p.execute()
         return attempt
 
     def put_rollout(self, jid: str, g: int, version: int, data: dict) -> str:
         """Store a (re)generated group; invalidates rewards of any earlier attempt. Returns the attempt id."""
-        return self._put_attempt(roll_key(jid, g), version, data, item_name(ItemKind.GEN, jid, g),
-                                 item_name(ItemKind.VER, jid, g), ("srem", verified_key(jid), g))
+        return self._put_attempt(roll_key(jid, g), version, data, WorkItem(ItemKind.GEN, jid, g),
+                                 WorkItem(ItemKind.VER, jid, g), ("srem", verified_key(jid), g))
 
     def rollout(self, jid: str, g: int) -> Rollout | None:
         h = self.r.hgetall(roll_key(jid, g))
@@ -112,8 +111,8 @@ class WorkOps:
         """Verify side: store the group with its tool results pending; lease ver -> cont (due now)."""
         return bool(self._replace(
             keys=[roll_key(jid, g), LEASES],
-            args=[attempt, uuid.uuid4().hex, _group_json(data), "", "1", item_name(ItemKind.VER, jid, g),
-                  item_name(ItemKind.CONT, jid, g), 0],
+            args=[attempt, uuid.uuid4().hex, _group_json(data), "", "1", WorkItem(ItemKind.VER, jid, g).name,
+                  WorkItem(ItemKind.CONT, jid, g).name, 0],
         ))
 
     def put_continuation(self, jid: str, g: int, attempt: str, data: dict) -> bool:
@@ -121,14 +120,14 @@ class WorkOps:
         cont -> ver. False: a duplicate or stale continuation (nothing written)."""
         return bool(self._replace(
             keys=[roll_key(jid, g), LEASES],
-            args=[attempt, uuid.uuid4().hex, _group_json(data), "1", "", item_name(ItemKind.CONT, jid, g),
-                  item_name(ItemKind.VER, jid, g), time.time() + self.lease_s],
+            args=[attempt, uuid.uuid4().hex, _group_json(data), "1", "", WorkItem(ItemKind.CONT, jid, g).name,
+                  WorkItem(ItemKind.VER, jid, g).name, time.time() + self.lease_s],
         ))
 
     def drop_cont_lease(self, jid: str, g: int) -> bool:
         """Drop a continuation's lease iff the group awaits none (a late duplicate or a regenerated
         group); atomic, so a continuation requested meanwhile is never lost."""
-        return bool(self._drop_cont(keys=[roll_key(jid, g), LEASES], args=[item_name(ItemKind.CONT, jid, g)]))
+        return bool(self._drop_cont(keys=[roll_key(jid, g), LEASES], args=[WorkItem(ItemKind.CONT, jid, g).name]))
 
     def has_adapter(self, ref: AdapterRef) -> bool:
         return ref.version == 0 or bool(self.r.exists(adapter_key(ref.job_id, ref.version)))
@@ -136,7 +135,7 @@ class WorkOps:
     def accept_rewards(self, jid: str, g: int, attempt: str, rewards: dict) -> bool:
         ok = self._accept(
             keys=[roll_key(jid, g), verified_key(jid), LEASES],
-            args=[attempt, json.dumps(rewards), g, item_name(ItemKind.VER, jid, g)],
+            args=[attempt, json.dumps(rewards), g, WorkItem(ItemKind.VER, jid, g).name],
         )
         return bool(ok)
 
@@ -150,16 +149,16 @@ class WorkOps:
         p = self.r.pipeline(transaction=True)
         p.delete(roll_key(jid, g))
         p.srem(verified_key(jid), g)
-        p.zrem(LEASES, item_name(ItemKind.CONT, jid, g))
-        p.zadd(LEASES, {item_name(ItemKind.GEN, jid, g): 0})
-        p.sadd(lease_index_key(jid), item_name(ItemKind.GEN, jid, g))
+        p.zrem(LEASES, WorkItem(ItemKind.CONT, jid, g).name)
+        p.zadd(LEASES, {WorkItem(ItemKind.GEN, jid, g).name: 0})
+        p.sadd(lease_index_key(jid), WorkItem(ItemKind.GEN, jid, g).name)
         p.hincrby(job_key(jid), "regenerated", 1)
         p.execute()
 
     # ---------------------------------------------------------------- evaluation
     def put_eval_rollout(self, jid: str, v: int, data: dict) -> str:
-        return self._put_attempt(eval_key(jid, v), v, data, item_name(ItemKind.EVAL, jid, v),
-                                 item_name(ItemKind.EVALVER, jid, v))
+        return self._put_attempt(eval_key(jid, v), v, data, WorkItem(ItemKind.EVAL, jid, v),
+                                 WorkItem(ItemKind.EVALVER, jid, v))
 
     def eval_rollout(self, jid: str, v: int) -> dict | None:
         h = self.r.hgetall(eval_key(jid, v))
@@ -173,7 +172,7 @@ class WorkOps:
         p = self.r.pipeline(transaction=True)
         p.hset(evals_key(jid), str(v), json.dumps(result))
         p.delete(eval_key(jid, v))
-        p.zrem(LEASES, item_name(ItemKind.EVALVER, jid, v))
+        p.zrem(LEASES, WorkItem(ItemKind.EVALVER, jid, v).name)
         p.execute()
 
     def evals(self, jid: str) -> dict[int, dict]:
