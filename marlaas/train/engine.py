@@ -366,6 +366,7 @@ class TrainingEngine:
             with routed(model, names, sizes):
                 return self._logits(model, input_ids, attn, positions, T)
 
+        model.train()
         refs: list = [None] * len(parts)
         if any(p.ref for p in parts):
             # Before the trainable pass: leaving disable_adapter() resets requires_grad.
@@ -379,7 +380,7 @@ class TrainingEngine:
             model.eval()
             with torch.no_grad():
                 proxes = [x if p.prox else None for p, x in zip(parts, per_part(forward()))]
-        model.train()
+            model.train()
         self._trainable(entries)
         with torch.set_grad_enabled(backward):
             logps = per_part(forward())
