@@ -39,7 +39,7 @@ from pathlib import Path
 from marlaas.api import access, admission, tenancy
 from marlaas.api.access import Limits, Principal
 from marlaas.api.datasets_io import SUFFIXES, read_records
-from marlaas.control.scheduler import eval_versions
+from marlaas.types import eval_versions
 from marlaas.errors import (
     Conflict,
     Forbidden,

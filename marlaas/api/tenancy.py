@@ -15,7 +15,7 @@ import secrets
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from marlaas.control.scheduler import eval_versions
+from marlaas.types import eval_versions
 from marlaas.errors import Forbidden, SpecError
 from marlaas.spec import JobSpec
 

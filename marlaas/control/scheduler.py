@@ -38,7 +38,6 @@ from functools import lru_cache
 
 from marlaas.types import ItemKind, WorkItem, eval_versions
 
-__all__ = ["eval_versions"]  # re-exported: its home is marlaas.types (the store's hygiene needs it too)
 
 Item = WorkItem  # (kind, job id, group index or version)
 

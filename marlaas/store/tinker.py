@@ -31,6 +31,7 @@ import json
 import re
 import time
 
+from marlaas.adapters import default_alpha
 from marlaas.errors import NotFound, SpecError
 from marlaas.store.keys import WAKE, P, adapter_key
 from marlaas.types import AdapterBlob
@@ -120,7 +121,7 @@ class TinkerStore:
         mid = self._id("tk")
         self.r.hset(model_key(mid), mapping={
             "tenant": tenant, "session": session, "base": base, "rank": int(lora["rank"]),
-            "seed": int(lora.get("seed") or 0), "alpha": float(lora.get("alpha", 32)),
+            "seed": int(lora.get("seed") or 0), "alpha": float(lora.get("alpha") or default_alpha()),
             "train_attn": int(bool(lora.get("train_attn", True))), "train_mlp": int(bool(lora.get("train_mlp", True))),
             "train_unembed": int(bool(lora.get("train_unembed", True))), "created": time.time(),
             "sampler_v": 0, "steps": 0,

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from marlaas.control import dispatch
-from marlaas.control.scheduler import due_evals, eval_versions, evals_to_check
+from marlaas.control.scheduler import due_evals, evals_to_check
+from marlaas.types import eval_versions
 from marlaas.errors import NotFound, SpecError
 from marlaas.spec import JobSpec, parse_spec
 from marlaas.types import AdapterBlob, AdapterRef

@@ -146,6 +146,8 @@ def test_stale_writes_are_refused_and_regeneration_clears_continuations(st, engi
 def test_training_engine_masks_tool_tokens(tiny_base):
     import torch
 
+    from marlaas.adapters import lora_config_from_spec
+    from marlaas.spec import LoraSpec
     from marlaas.train.engine import TrainingEngine, TrainSample
 
     tok = load_tokenizer(tiny_base)
@@ -155,13 +157,22 @@ def test_training_engine_masks_tool_tokens(tiny_base):
     s = TrainSample(prompt="calc:4*5=", completion_ids=ids, behav_logprobs=[-1.0] * len(ids), advantage=1.0,
                     loss_mask=mask)
     plain = TrainSample(prompt="sort:31=", completion_ids=ids[:3], behav_logprobs=[-1.0] * 3, advantage=-1.0)
-    *_, mask_B_T, behav_B_T, T = eng._batch([s, plain])
+    eng.adapter("job", lora_config_from_spec(LoraSpec()))
+    seen = {}
+
+    def capture(f):  # the loss sees the batch the engine built: its mask and behaviour log-probs
+        seen["f"] = f
+        return f.logp_B_T.sum() * 0.0, {}
+
+    eng.forward_backward("job", [s, plain], capture, backward=False)
+    mask_B_T, behav_B_T = seen["f"].mask_B_T, seen["f"].behav_B_T
+    T = mask_B_T.shape[1]
     assert mask_B_T[0].tolist() == [float(m) for m in mask]
     assert mask_B_T[1].tolist() == [0.0] * (T - 3) + [1.0] * 3
     assert int(mask_B_T.sum()) == s.n_actions + plain.n_actions == 8 + 3
     with pytest.raises(ValueError, match="mask values"):
-        eng._batch([TrainSample(prompt="x", completion_ids=[5, 6], behav_logprobs=[0.0, 0.0], advantage=1.0,
-                                loss_mask=[1])])
+        eng.forward_backward("job", [TrainSample(prompt="x", completion_ids=[5, 6], behav_logprobs=[0.0, 0.0],
+                                                 advantage=1.0, loss_mask=[1])], capture, backward=False)
     assert torch.isfinite(behav_B_T).all()
 
 
