@@ -39,7 +39,6 @@ from pathlib import Path
 from marlaas.api import access, admission, tenancy
 from marlaas.api.access import Limits, Principal
 from marlaas.api.datasets_io import SUFFIXES, read_records
-from marlaas.types import eval_versions
 from marlaas.errors import (
     Conflict,
     Forbidden,
@@ -50,7 +49,7 @@ from marlaas.errors import (
     Unauthorized,
 )
 from marlaas.store import KEEP_VERSIONS_EXTRA, JobRecord, Store
-from marlaas.types import ACTIVE_STATUSES, JobStatus
+from marlaas.types import ACTIVE_STATUSES, JobStatus, eval_versions
 from marlaas.verify.evaluation import table_row
 
 FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")

@@ -15,9 +15,9 @@ import secrets
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from marlaas.types import eval_versions
 from marlaas.errors import Forbidden, SpecError
 from marlaas.spec import JobSpec
+from marlaas.types import eval_versions
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 

@@ -38,7 +38,6 @@ from functools import lru_cache
 
 from marlaas.types import ItemKind, WorkItem, eval_versions
 
-
 Item = WorkItem  # (kind, job id, group index or version)
 
 

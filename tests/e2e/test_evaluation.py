@@ -12,10 +12,9 @@ import pytest
 
 from marlaas.control import dispatch
 from marlaas.control.scheduler import due_evals, evals_to_check
-from marlaas.types import eval_versions
 from marlaas.errors import NotFound, SpecError
 from marlaas.spec import JobSpec, parse_spec
-from marlaas.types import AdapterBlob, AdapterRef
+from marlaas.types import AdapterBlob, AdapterRef, eval_versions
 from marlaas.verify.evaluation import ks_for, mean_pass_at_k, pass_at_k, summarize, table_row
 from marlaas.verify.station import run_verify
 from tests.conftest import api_server
