@@ -12,7 +12,7 @@
 | MARLAAS_GEN_BATCH_ROWS | most completions one generate task samples | 256 |
 | MARLAAS_GEN_MIN_FILL | batches of groups not needed yet wait until this full (one shared device) | 0 |
 | MARLAAS_LEASE_S | seconds before unfinished work is re-dispatched | 120 |
-| MARLAAS_MAX_LORA_RANK | largest LoRA rank a job may ask for (vLLM's CPU LoRA cost follows it) | 16 |
+| MARLAAS_MAX_LORA_RANK | largest LoRA rank of a job or Tinker model (vLLM: one of its ranks) | 64 hf, 16 vllm |
 | MARLAAS_VLLM_ARGS | extra vLLM engine arguments, a JSON object (GPU hosts; docs/deployment.md) | {} |
 | MARLAAS_TOOL_URL | the calculator tool service of tool tasks (`marlaas tool-server`) | http://127.0.0.1:9110 |
 """
@@ -25,6 +25,10 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256)
+"""The max_lora_rank values vLLM accepts (vllm.config.lora.MaxLoRARanks, up to this setting's bound)."""
+VLLM_DEFAULT_LORA_RANK = 16
 
 
 class Settings(BaseSettings):
@@ -68,8 +72,12 @@ class Settings(BaseSettings):
     as usual. 0: always generate ahead as far as the bound allows (most overlap, oldest samples).
     Not with gen_min_fill (one device for generate and train): that one needs the groups ahead to fill
     its large batches (bench/jit.py: just in time costs ~30% there, gains up to ~13% on the CPU)."""
-    max_lora_rank: int = Field(16, ge=1, le=256)
-    """Largest LoRA rank a job may use; the vLLM engine is sized for it (its CPU cost follows it)."""
+    max_lora_rank: int = Field(64, ge=1, le=256)
+    """Largest LoRA rank a job or Tinker model may use, recorded in the deployment record by the workers
+    (`tasks.common.register_base`) and read by the API (`marlaas.api.access.max_lora_rank`). The hf engine
+    serves any rank: 64 by default. The vLLM engine is started with exactly this max_lora_rank, which
+    must be one of vLLM's ranks (VLLM_LORA_RANKS); its default there is 16, since vLLM's CPU LoRA cost
+    follows the engine's max_lora_rank, not the adapter's (docs/performance.md)."""
     lease_s: float = Field(120.0, gt=0)
     """Seconds after which dispatched work that has not finished is dispatched again."""
     tool_url: str = "http://127.0.0.1:9110"
@@ -101,6 +109,16 @@ class Settings(BaseSettings):
     @property
     def embedded_dir(self) -> Path:
         return self.home / "embedded"
+
+    @model_validator(mode="after")
+    def _lora_rank_of_the_engine(self) -> Settings:
+        if self.engine == "vllm":
+            if "max_lora_rank" not in self.model_fields_set:
+                self.max_lora_rank = VLLM_DEFAULT_LORA_RANK
+            elif self.max_lora_rank not in VLLM_LORA_RANKS:
+                raise ValueError(f"MARLAAS_MAX_LORA_RANK={self.max_lora_rank} is not a rank vLLM serves "
+                                 f"(one of {', '.join(map(str, VLLM_LORA_RANKS))})")
+        return self
 
     @model_validator(mode="after")
     def _jit_or_min_fill(self) -> Settings:

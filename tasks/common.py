@@ -86,8 +86,14 @@ def station_event(station: str, jobs: list[str], **info):
 
 def register_base(path, name: str | None = None) -> None:
     """Record which base this deployment serves (jobs naming another base are refused at submit)."""
-    store().set_deployment(base=str(path), base_name=name or os.path.basename(str(path).rstrip("/")),
-                           max_lora_rank=get_settings().max_lora_rank)
+    store().set_deployment(base=str(path), base_name=name or os.path.basename(str(path).rstrip("/")))
+
+
+def register_lora_rank(max_lora_rank: int) -> None:
+    """Record the largest LoRA rank the generate engine serves (`GenerationEngine.max_lora_rank`,
+    written by a generate worker once its engine is up; a train worker does not know the generate
+    engine): the one value `marlaas.api.access.max_lora_rank` reads for jobs and Tinker models."""
+    store().set_deployment(max_lora_rank=int(max_lora_rank))
 
 
 def base_dir():

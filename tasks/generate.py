@@ -6,7 +6,7 @@ from marlaas.generate.station import run_generate_isolated, verify_messages
 from marlaas.settings import get_settings
 from marlaas.types import WorkItem
 from tasks.app import app
-from tasks.common import base_dir, kick, send, station_event, store
+from tasks.common import base_dir, kick, register_lora_rank, send, station_event, store
 
 _engine = None
 
@@ -20,9 +20,10 @@ def engine():
         s = get_settings()
         base = base_dir()
         extra = {**s.vllm_args, "max_lora_rank": s.max_lora_rank} if s.engine == "vllm" else \
-            {"device": s.device, "dtype": s.dtype}
+            {"device": s.device, "dtype": s.dtype, "max_lora_rank": s.max_lora_rank}
         _engine = make_engine(s.engine, base, store().adapter, threads=s.threads,
                               cache_dir=s.home / "cache" / "adapters", **extra)
+        register_lora_rank(_engine.max_lora_rank)  # the rank the engine serves: what tenants may ask for
     return _engine
 
 

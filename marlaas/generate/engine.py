@@ -27,6 +27,11 @@ Contract, common to both:
   position 0 (Tinker's prompt logprobs). The HF engine computes them with one forward; an engine
   that cannot (vLLM here) raises `SampleError`, a one-line MarlaasError the Tinker door reports.
 - Each engine honours a `threads` budget (several worker processes share few cores).
+- `max_lora_rank`: the largest LoRA rank the engine serves (the HF engine: its constructor's
+  `max_lora_rank`, any value; vLLM: the engine's own configured max_lora_rank, one of vLLM's ranks). A
+  generate worker records it in the deployment record, the one value the API admits ranks against
+  (`tasks.common.register_lora_rank`, `marlaas.api.access.max_lora_rank`); an adapter of a higher rank
+  is refused with a ValueError.
 
 Tokenization: both engines tokenize prompts and decode completions with `load_tokenizer(base_path)`,
 and vLLM gets token ids (never text). `AutoTokenizer` is not safe for the project's own base: for
@@ -56,6 +61,8 @@ class GenerationEngine(ABC):
     """Serves completions for many adapter versions of one base model."""
 
     kind: str = "abstract"
+    max_lora_rank: int = 64
+    """The largest LoRA rank this engine serves."""
 
     def __init__(self, adapter_source: AdapterSource, *, max_adapters: int = 64) -> None:
         if max_adapters < 1:
@@ -98,6 +105,19 @@ class GenerationEngine(ABC):
 
 # ---------------------------------------------------------------------------------------------
 # Helpers shared by both engines.
+
+
+def adapter_rank(config: dict) -> int:
+    """The largest LoRA rank of an adapter_config dict (its `r` and any `rank_pattern` entry)."""
+    return max([int(config.get("r", 0))] + [int(v) for v in (config.get("rank_pattern") or {}).values()])
+
+
+def check_rank(ref: AdapterRef, config: dict, max_rank: int) -> None:
+    """ValueError (one line) when the adapter's rank is over the engine's `max_rank`."""
+    rank = adapter_rank(config)
+    if rank > max_rank:
+        raise ValueError(f"adapter {ref.name}: rank {rank} exceeds the engine's max_lora_rank ({max_rank}); "
+                         "start the engine with a larger one")
 
 
 def safe_adapter_name(ref: AdapterRef, uid: int) -> str:

@@ -42,6 +42,7 @@ from marlaas.adapters import lora_config_from_dict
 from marlaas.generate.engine import (
     AdapterSource,
     GenerationEngine,
+    check_rank,
     eos_token_ids,
     group_requests_by_adapter_budget,
     load_tokenizer,
@@ -101,6 +102,7 @@ class HFEngine(GenerationEngine):
         device: str = "cpu",
         dtype: str = "auto",
         reuse_slots: bool = True,
+        max_lora_rank: int = 64,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -108,6 +110,9 @@ class HFEngine(GenerationEngine):
 
         super().__init__(adapter_source, max_adapters=max_adapters)
         self.threads = threads
+        if max_lora_rank < 1:
+            raise ValueError("max_lora_rank must be >= 1")
+        self.max_lora_rank = int(max_lora_rank)  # any rank works here: the deployment's cap
         self.max_rows_per_call = max_rows_per_call
         if mixed_path not in ("stacked", "peft"):
             raise ValueError(f"mixed_path must be 'stacked' or 'peft', not {mixed_path!r}")
@@ -152,6 +157,7 @@ class HFEngine(GenerationEngine):
         from safetensors.torch import load
 
         blob = self.adapter_source(ref)
+        check_rank(ref, blob.config, self.max_lora_rank)
         state = load(blob.weights)
         shape = json.dumps(blob.config, sort_keys=True)
         older = next(((r, n) for r, n in self._cache.items()  # least recently used first

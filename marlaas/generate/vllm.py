@@ -54,6 +54,7 @@ from marlaas.errors import SampleError
 from marlaas.generate.engine import (
     AdapterSource,
     GenerationEngine,
+    check_rank,
     eos_token_ids,
     group_requests_by_adapter_budget,
     load_tokenizer,
@@ -129,6 +130,7 @@ class VLLMEngine(GenerationEngine):
         )
         args.update(llm_kwargs)
         self.llm = LLM(**args)
+        self.max_lora_rank = int(self.llm.llm_engine.vllm_config.lora_config.max_lora_rank)  # what vLLM took
         # Prompts go in as token ids and completions are decoded here, with the same tokenizer as
         # the HF engine (vLLM's own loader picks Qwen2Tokenizer for the project's char tokenizer).
         self.tokenizer = load_tokenizer(base_path)
@@ -173,12 +175,7 @@ class VLLMEngine(GenerationEngine):
             # vLLM dropped it behind our back: register again under a fresh id.
             self._drop(ref)
         blob = self.adapter_source(ref)
-        rank = max([int(blob.config.get("r", 0))] + [int(v) for v in (blob.config.get("rank_pattern") or {}).values()])
-        if rank > self.llm.llm_engine.vllm_config.lora_config.max_lora_rank:
-            raise ValueError(
-                f"adapter {ref.name}: rank {rank} exceeds the engine's max_lora_rank "
-                f"({self.llm.llm_engine.vllm_config.lora_config.max_lora_rank}); start the engine with a larger one"
-            )
+        check_rank(ref, blob.config, self.max_lora_rank)
         lora_id = self._next_id
         self._next_id += 1
         path = write_adapter_dir(blob, self.cache_dir / f"{lora_id}")

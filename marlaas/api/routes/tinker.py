@@ -29,8 +29,8 @@ from marlaas.api import access
 from marlaas.api.access import Principal
 from marlaas.api.deps import Caller, service
 from marlaas.api.service import Service
-from marlaas.api.tinker import checkpoints, futures, wire
-from marlaas.errors import NotFound, SpecError
+from marlaas.api.tinker import checkpoints, futures, models, wire
+from marlaas.errors import Gone, NotFound, SpecError
 from marlaas.spec import LoraSpec
 from marlaas.store.tinker import TinkerStore, parse_path
 
@@ -78,11 +78,10 @@ def check_base(svc: Service, name: str | None) -> str:
     return bname
 
 
-def queue(ts: TinkerStore, t: str, body: dict, kind: str, payload: dict) -> dict:
-    """Queue an op of the body's model (NotFound unless the tenant owns it); the future's id."""
-    mid = str(body.get("model_id") or "")
+def queue(ts: TinkerStore, t: str, mid: str, seq: int | None, kind: str, payload: dict) -> dict:
+    """Queue an op of model `mid` (NotFound unless the tenant owns it, Gone once its session ended)."""
     ts.model(t, mid)
-    rid = ts.enqueue_op(t, mid, kind, int(body.get("seq_id") or 0), payload)
+    rid = ts.enqueue_op(t, mid, kind, int(seq or 0), payload)
     return {"request_id": rid, "model_id": mid}
 
 
@@ -111,96 +110,135 @@ def telemetry(t: str = Tenant) -> dict:
 def capabilities(t: str = Tenant, svc: Service = Svc) -> dict:
     name, _, ctx = base_info(svc)
     return {"supported_models": [{"model_name": name, "max_context_length": ctx, "trainable": True,
-                                  "sampleable": True}] if name else []}
+                                  "sampleable": True, "max_lora_rank": svc.max_lora_rank()}] if name else []}
 
 
 @router.post("/create_session")
 async def create_session(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
-    await wire.body_json(request)
+    await wire.body(request, models.CreateSessionRequest)
     return {"type": "create_session", "session_id": ts.create_session(t)}
 
 
 @router.post("/session_heartbeat")
 async def session_heartbeat(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
-    body = await wire.body_json(request)
-    ts.heartbeat(t, str(body.get("session_id")))
+    """A heartbeat; 410 once the session has ended (the SDK then stops its heartbeat loop)."""
+    sid = (await wire.body(request, models.SessionHeartbeatRequest)).session_id
+    if (why := ts.heartbeat(t, sid)) is not None:
+        raise Gone(f"session {sid} has ended ({why})")
     return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{sid}/finish")
+async def finish_session(sid: str, request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+    """ServiceClient.close: the session ends with the client's reason (the first reason wins, so a
+    finish after expiry or a second close still succeeds: it never masks the run's own error); its
+    models' queued ops are released."""
+    req = await wire.body(request, models.SessionFinishRequest)
+    ts.session(t, sid)
+    reason = str(req.reason.get("type") or "success")
+    return {"session_id": sid, "reason": ts.end_session(sid, reason, req.detail or "")}
+
+
+@router.get("/sessions/{sid}")
+def get_session(sid: str, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+    ts.session(t, sid)
+    return {"training_run_ids": ts.session_models(sid), "sampler_ids": []}
 
 
 # ---------------------------------------------------------------- models
 @router.post("/create_model")
 async def create_model(request: Request, t: str = Tenant, svc: Service = Svc, ts: TinkerStore = Tk) -> dict:
-    body = await wire.body_json(request)
-    base = check_base(svc, body.get("base_model"))
-    lora = wire.lora_request(body, svc.max_lora_rank())
-    mid = ts.create_model(t, str(body.get("session_id")), base, {**lora, "alpha": LoraSpec().alpha})
+    req = await wire.body(request, models.CreateModelRequest)
+    base = check_base(svc, req.base_model)
+    lora = wire.lora_request(req, svc.max_lora_rank())
+    mid = ts.create_model(t, req.session_id, base, {**lora, "alpha": LoraSpec().alpha}, req.model_seq_id)
     rid = ts.new_future(t, "create_model", mid, 0, result={"model_id": mid, "type": "create_model"})
     return {"request_id": rid, "model_id": mid}
 
 
 @router.post("/get_info")
 async def get_info(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
-    mid = str((await wire.body_json(request)).get("model_id"))
+    mid = (await wire.body(request, models.GetInfoRequest)).model_id
     m = ts.model(t, mid)
     return {"type": "get_info", "model_id": mid, "model_name": m["base"], "is_lora": True,
             "lora_rank": int(m["rank"]), "optimizer_config": {"type": "adamw"},
             "model_data": {"arch": "marlaas-lora", "model_name": m["base"], "tokenizer_id": m["base"]}}
 
 
+@router.get("/training_runs")
+def list_training_runs(t: str = Tenant, ts: TinkerStore = Tk, limit: int = 20, offset: int = 0) -> dict:
+    """The tenant's own training runs (models), oldest first, a page of them."""
+    if limit < 1 or offset < 0:
+        raise SpecError("invalid request: limit >= 1 and offset >= 0")
+    mids = ts.models(t)
+    return {"training_runs": [checkpoints.training_run(ts, t, m) for m in mids[offset:offset + limit]],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(mids)}}
+
+
 @router.get("/training_runs/{mid}")
 def training_run(mid: str, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
-    m = ts.model(t, mid)
-    return {"training_run_id": mid, "base_model": m["base"], "model_owner": t, "is_lora": True,
-            "lora_rank": int(m["rank"]), "last_request_time": checkpoints.iso(float(m["created"]))}
+    return checkpoints.training_run(ts, t, mid)
 
 
 # ---------------------------------------------------------------- training ops (queued)
 @router.post("/forward_backward")
 async def forward_backward(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
-    body, payload = wire.fwdbwd_request(await request.body(), request.headers.get("content-type", ""),
+    head, payload = wire.fwdbwd_request(await request.body(), request.headers.get("content-type", ""),
                                         request.headers.get("content-encoding", "identity"))
-    return queue(ts, t, body, "forward" if payload["forward_only"] else "forward_backward", payload)
+    return queue(ts, t, head["model_id"], head["seq_id"], "forward" if payload["forward_only"] else
+                 "forward_backward", payload)
 
 
 @router.post("/forward")
 async def forward(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
-    body = await wire.body_json(request)
-    return queue(ts, t, body, "forward", wire.json_fwdbwd(body, forward_only=True))
+    req = await wire.body(request, models.ForwardRequest)
+    return queue(ts, t, req.model_id, req.seq_id, "forward", wire.json_fwdbwd(req.forward_input, forward_only=True))
 
 
 @router.post("/optim_step")
 async def optim_step(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
-    body = await wire.body_json(request)
-    return queue(ts, t, body, "optim_step", wire.adam_params(body))
+    req = await wire.body(request, models.OptimStepRequest)
+    return queue(ts, t, req.model_id, req.seq_id, "optim_step", {"adam": req.optim_params.model_dump()})
 
 
 @router.post("/save_weights")
 async def save_weights(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
-    body = await wire.body_json(request)
-    name = wire.checkpoint_name(body.get("path") or f"state-{int(time.time() * 1000)}")
-    return queue(ts, t, body, "save_weights", {"name": name})
+    req = await wire.body(request, models.SaveWeightsRequest)
+    name = wire.checkpoint_name(req.path or f"state-{int(time.time() * 1000)}")
+    ts.model(t, req.model_id)
+    ts.want_ttl(req.model_id, f"weights/{name}", wire.ttl(req.ttl_seconds))
+    return queue(ts, t, req.model_id, req.seq_id, "save_weights", {"name": name})
 
 
 @router.post("/save_weights_for_sampler")
 async def save_for_sampler(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
-    body = await wire.body_json(request)
-    name = body.get("path")
-    return queue(ts, t, body, "save_weights_for_sampler",
-                 {"name": None if name is None else wire.checkpoint_name(name)})
+    req = await wire.body(request, models.SaveWeightsForSamplerRequest)
+    name = None if req.path is None else wire.checkpoint_name(req.path)
+    ts.model(t, req.model_id)
+    if name is not None:
+        ts.want_ttl(req.model_id, f"sampler_weights/{name}", wire.ttl(req.ttl_seconds))
+    return queue(ts, t, req.model_id, req.seq_id, "save_weights_for_sampler", {"name": name})
 
 
 @router.post("/load_weights")
-async def load_weights(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
-    body = await wire.body_json(request)
-    src, kind, name = parse_path(str(body.get("path")))
+async def load_weights(request: Request, t: str = Tenant, svc: Service = Svc, ts: TinkerStore = Tk) -> dict:
+    """load_state into a model, or (no model_id: ServiceClient.create_training_client_from_state*) a
+    new model of the session with the checkpoint's LoRA config, whose id is the one the SDK derives
+    from session_id + model_seq_id ('{session}:train:{seq}')."""
+    req = await wire.body(request, models.LoadWeightsRequest)
+    src, kind, name = parse_path(req.path)
     if kind != "weights":
         raise SpecError("load_state needs a training checkpoint (tinker://<model>/weights/<name>)")
     ts.state(t, src, name)  # NotFound before anything is queued
-    if not body.get("model_id"):  # create-via-load: a new model with the checkpoint's LoRA config
+    mid = req.model_id
+    if not mid:
+        if not req.session_id:
+            raise SpecError("invalid LoadWeightsRequest body: model_id or session_id is required")
+        wire.optimizer(req.optimizer_config)
         m = ts.model(t, src)
-        body["model_id"] = ts.create_model(t, str(body.get("session_id")), m["base"],
-                                           {k: m[k] for k in LORA_FIELDS})
-    return queue(ts, t, body, "load_weights", {"path": body["path"], "optimizer": bool(body.get("optimizer"))})
+        base = check_base(svc, req.base_model or m["base"])
+        mid = ts.create_model(t, req.session_id, base, {k: m[k] for k in LORA_FIELDS}, req.model_seq_id)
+    return queue(ts, t, mid, req.seq_id, "load_weights", {"path": req.path, "optimizer": req.optimizer})
 
 
 # ---------------------------------------------------------------- sampling
@@ -219,9 +257,9 @@ def resolve_sampler(svc: Service, ts: TinkerStore, t: str, model_path: str | Non
 @router.post("/create_sampling_session")
 async def create_sampling_session(request: Request, t: str = Tenant, svc: Service = Svc,
                                   ts: TinkerStore = Tk) -> dict:
-    body = await wire.body_json(request)
-    base, mid, v = resolve_sampler(svc, ts, t, body.get("model_path"), body.get("base_model"))
-    sid = ts.create_sampler(t, base, body.get("model_path"), mid, v)
+    req = await wire.body(request, models.CreateSamplingSessionRequest)
+    base, mid, v = resolve_sampler(svc, ts, t, req.model_path, req.base_model)
+    sid = ts.create_sampler(t, base, req.model_path, mid, v)
     return {"type": "create_sampling_session", "sampling_session_id": sid}
 
 
@@ -233,13 +271,13 @@ def get_sampler(sid: str, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
 
 @router.post("/asample")
 async def asample(request: Request, t: str = Tenant, svc: Service = Svc, ts: TinkerStore = Tk) -> dict:
-    body = await wire.body_json(request)
-    if body.get("sampling_session_id"):
-        s = ts.sampler(t, str(body["sampling_session_id"]))
+    req = await wire.body(request, models.SampleRequest)
+    if req.sampling_session_id:
+        s = ts.sampler(t, req.sampling_session_id)
         mid, v = s["model"], s["version"]
     else:
-        _, mid, v = resolve_sampler(svc, ts, t, body.get("model_path"), body.get("base_model"))
-    payload = wire.sample_payload(body, mid, v)
+        _, mid, v = resolve_sampler(svc, ts, t, req.model_path, req.base_model)
+    payload = wire.sample_payload(req, mid, v)
     rid = ts.enqueue_sample(t, payload)
     return {"request_id": rid, "model_id": None, "sample_sequence_ids": [f"{rid}-{i}" for i in range(payload["n"])]}
 
@@ -247,22 +285,41 @@ async def asample(request: Request, t: str = Tenant, svc: Service = Svc, ts: Tin
 # ---------------------------------------------------------------- futures
 @router.post("/retrieve_future")
 async def retrieve_future(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> Response:
-    rid = str((await wire.body_json(request)).get("request_id"))
+    rid = (await wire.body(request, models.FutureRetrieveRequest)).request_id
     f = await futures.wait(ts, t, rid)
     return futures.response(f, rid, proto=wire.PROTO in request.headers.get("accept", ""))
 
 
 @router.post("/cancel_future")
 async def cancel_future(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
-    body = await wire.body_json(request)
-    ts.future(t, str(body.get("request_id")))
-    return {}  # work already queued runs to its end; its result is simply never fetched
+    """Queued work is removed (its future fails 'cancelled'); work already running runs to its end."""
+    rid = (await wire.body(request, models.CancelFutureRequest)).request_id
+    return {"request_id": rid, "cancelled": ts.cancel(t, rid)}
 
 
 # ---------------------------------------------------------------- checkpoints
 @router.get("/training_runs/{mid}/checkpoints")
 def list_checkpoints(mid: str, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
     return checkpoints.listing(ts, t, mid)
+
+
+@router.delete("/training_runs/{mid}/checkpoints/{kind}/{name}")
+def delete_checkpoint(mid: str, kind: str, name: str, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+    """RestClient.delete_checkpoint: the checkpoint is gone and its bytes freed."""
+    ts.delete_checkpoint(t, mid, f"{kind}/{name}")
+    return {}
+
+
+@router.put("/training_runs/{mid}/checkpoints/{kind}/{name}/ttl")
+async def checkpoint_ttl(mid: str, kind: str, name: str, request: Request, t: str = Tenant,
+                         ts: TinkerStore = Tk) -> dict:
+    """RestClient.set_checkpoint_ttl_from_tinker_path ({"ttl_seconds": n | null})."""
+    body = await wire.body_json(request)
+    ttl = body.get("ttl_seconds")
+    if ttl is not None and not isinstance(ttl, int):
+        raise SpecError("invalid request: ttl_seconds must be an integer or null")
+    ts.set_checkpoint_ttl(t, mid, f"{kind}/{name}", wire.ttl(ttl))
+    return {}
 
 
 @router.get("/training_runs/{mid}/checkpoints/{kind}/{name}/archive",
