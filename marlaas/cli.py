@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from marlaas.errors import MarlaasError
+from marlaas.types import TERMINAL_STATUSES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Multi-tenant asynchronous RL fine-tuning.")
 base_app = typer.Typer(no_args_is_help=True, help="The base model.")
@@ -150,6 +151,9 @@ def redis_server():
 def submit(
     spec_file: Path = typer.Argument(..., help="A TOML file with the JobSpec fields."),
     wait: bool = typer.Option(False, help="Follow the job until it ends."),
+    preflight: bool = typer.Option(False, "--preflight", help="Only check learnability: sample the base on a "
+                                   "few dozen training prompts, print exact / mean reward / groups with signal "
+                                   "and a verdict; nothing is trained."),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Submit a job described by a TOML file."""
@@ -161,11 +165,29 @@ def submit(
         data = tomllib.loads(spec_file.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise MarlaasError(f"{spec_file.name}: not valid TOML ({e})") from None
+    if preflight:
+        return _preflight(Client(), data, as_json)
     job = Client().submit(data)
     if not as_json:
         console.print(f"submitted {job.id}")
     st = job.wait(progress=not as_json) if wait else job.status()
     _emit(st, as_json)
+
+
+def _preflight(client, data: dict, as_json: bool) -> None:
+    """`submit --preflight`: the preflight's figures and verdict (followed past the server's wait)."""
+    st = client.preflight(data)
+    if st["status"] not in TERMINAL_STATUSES:
+        st = client.job(st["job"]).wait()
+    if _emit(st, as_json):
+        return
+    pf = st.get("preflight")
+    if pf is None:
+        raise MarlaasError(f"preflight {st['job']} {st['status']}: {st.get('error') or 'no result'}")
+    console.print(f"preflight {st['job']}: {pf['prompts']} prompts x {pf['group_size']} samples of the base: "
+                  f"exact {pf['exact']:.2f}, mean reward {pf['mean_reward']:.2f}, "
+                  f"groups with signal {pf['groups_with_signal']}/{pf['prompts']} ({pf['signal']:.0%})")
+    console.print(f"verdict: {pf['verdict']}", highlight=False)
 
 
 @app.command()

@@ -256,6 +256,19 @@ class JobSpec(BaseModel):
     """Sampling temperature of the pass@k completions; None = the job's `temperature`."""
     base_model: str | None = None
     """Optional: the base the user expects; refused when the deployment serves another."""
+    preflight: bool = False
+    """A learnability check instead of training: sample the base (version 0) on `preflight_prompts`
+    training prompts with `group_size` completions each, score them with the job's verifier or grader,
+    and end with a summary (exact, mean reward, share of groups with signal, a verdict); nothing is
+    trained or evaluated (`marlaas.verify.preflight`)."""
+    preflight_prompts: int = Field(32, ge=1, le=256)
+    """Prompts a preflight samples (at most the training rows there are)."""
+    no_signal_steps: int = Field(5, ge=0, le=100_000)
+    """K: a job whose first K steps have no group with differing rewards (GRPO learns nothing from
+    them) gets a warning event; 0 = never checked."""
+    stop_without_signal: bool = False
+    """Fail the job (with the warning as its reason) when its first `no_signal_steps` steps had no signal."""
+
 
     @field_validator("tenant")
     @classmethod

@@ -15,6 +15,7 @@ Pure policy over the store's records: no HTTP, no settings read here.
 from __future__ import annotations
 
 import io
+import json
 import tarfile
 import tempfile
 from dataclasses import dataclass
@@ -167,6 +168,7 @@ def summary(store: Store, rec: JobRecord) -> dict:
         "tool_calls": int(rec.extra.get("tool_calls", 0)),
         "tool_errors": int(rec.extra.get("tool_errors", 0)),
         "error": rec.extra.get("error"),
+        "preflight": json.loads(rec.extra["preflight"]) if rec.extra.get("preflight") else None,
         "created": rec.created,
         "updated": float(rec.extra.get("updated") or rec.created),
     }

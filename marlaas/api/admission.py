@@ -54,6 +54,9 @@ def admit(store: Store, tenant: str | None, spec: JobSpec | dict, limits: access
         raise BaseModelError(f"this deployment serves base {dep['base_name']!r}, not {spec.base_model!r}")
     access.check_lora_rank(store, spec.lora.rank, limits.max_lora_rank)
     train, held = job_rows(spec)
+    if spec.preflight:  # a preflight samples its first N (shuffled) training prompts, no more
+        train = train[:spec.preflight_prompts]
+        spec = spec.model_copy(update={"preflight_prompts": len(train)})
     with _TOKENIZER:  # one base tokenizer per process; HF tokenizers refuse concurrent use ("Already borrowed")
         train, held, how = _chat_template(dep.get("base"), spec, train, held)
         _check_context(dep.get("base"), spec, train, held)

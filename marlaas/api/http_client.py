@@ -75,6 +75,20 @@ class Client:
                 data[key] = self.upload_file(value)
         return Job(self, self.request("POST", "/v1/jobs", json=data).json()["id"])
 
+    def preflight(self, spec: JobSpec | dict, wait: float = 60.0) -> dict:
+        """A learnability check of `spec` instead of training it (the server samples the base on a
+        few dozen training prompts and scores them): the status of the preflight record, whose
+        `preflight` holds exact, mean_reward, signal and a verdict once done. If it takes over `wait`
+        s (at most 60) it is still running: `job(st["job"]).wait()` follows it."""
+        data = spec.model_dump(mode="json") if isinstance(spec, JobSpec) else dict(spec)
+        for key in ("dataset", "eval_dataset"):
+            value = data.get(key)
+            if isinstance(value, str | os.PathLike) and not FILE_ID.match(str(value)):
+                data[key] = self.upload_file(value)
+        r = self.request("POST", "/v1/jobs", json={**data, "preflight": True}, params={"wait": min(wait, 60.0)},
+                         timeout=httpx.Timeout(30.0, read=min(wait, 60.0) + 30.0))
+        return _as_status(r.json())
+
     def job(self, job_id: str) -> Job:
         """The handle of a job the caller may see (NotFound otherwise)."""
         self.request("GET", f"/v1/jobs/{job_id}")

@@ -65,6 +65,8 @@ class JobOut(BaseModel):
     """Tool calls that failed."""
     error: str | None
     """Why the job failed, if it did."""
+    preflight: dict | None = None
+    """A preflight's result once it is done (exact, mean_reward, signal, verdict: `marlaas.verify.preflight`)."""
     created: float
     """Submission time (Unix seconds)."""
     updated: float

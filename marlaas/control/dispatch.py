@@ -5,7 +5,8 @@ after every task completes). It holds the store's scheduler lock, so ticks never
 tick is four steps, in this order: `snapshot` (reads only), `watchdog` (fails the jobs that made no
 progress for `stall_s`; they are left out of this tick's plan), `scheduler.plan` (pure: which
 generation batches, re-verifications, and which job or Tinker model gets the trainer lane), `apply`
-(writes, then sends). `send(messages)` enqueues a tick's Celery tasks, a list of (task name, args),
+(writes, then sends); after them the preflights whose groups are all verified are ended with their
+summary (`finish_preflights`). `send(messages)` enqueues a tick's Celery tasks, a list of (task name, args),
 all at once (the service's sender pushes them to the broker in one pipelined round trip:
 tasks/common.py); it is passed in because this library never imports celery. Settings are read at
 the process edge: the caller passes a `TickConfig`.
@@ -35,8 +36,10 @@ from marlaas.settings import Settings
 from marlaas.store import Store
 from marlaas.store.tinker import TinkerStore
 from marlaas.types import ItemKind, WorkItem
+from marlaas.verify import preflight
 
-__all__ = ["GC_EVERY_S", "MEMORY", "Send", "TickConfig", "TickMemory", "apply", "snapshot", "tick", "watchdog"]
+__all__ = ["GC_EVERY_S", "MEMORY", "Send", "TickConfig", "TickMemory", "apply", "finish_preflights", "snapshot",
+           "tick", "watchdog"]
 
 log = logging.getLogger("marlaas.control")
 GC_EVERY_S = 30.0
@@ -205,7 +208,7 @@ def watchdog(store: Store, now: float, stall_s: float, memory: TickMemory = MEMO
 
 def tick(store: Store, send: Send, config: TickConfig = TickConfig(), now: float | None = None,
          memory: TickMemory = MEMORY) -> scheduler.Plan | None:
-    """One scheduling round (snapshot, watchdog, plan, apply); returns the plan carried out, or None
+    """One scheduling round (snapshot, watchdog, plan, apply, finish_preflights); returns the plan carried out, or None
     if another tick holds the lock. Every GC_EVERY_S it also collects the bulk data of a few jobs
     past their retention period (of any ended job, oldest first, while the store is over its
     admission share)."""
@@ -220,6 +223,7 @@ def tick(store: Store, send: Send, config: TickConfig = TickConfig(), now: float
             snap = replace(snap, jobs=tuple(j for j in snap.jobs if j.id not in failed))
         plan = scheduler.plan(snap)
         apply(store, plan, send, config)
+        finish_preflights(store, snap.jobs)
         if now - memory.last_gc.get(store.url, 0.0) > GC_EVERY_S:  # ended jobs' bulk data, a few at a time
             memory.last_gc[store.url] = now
             # Over the admission share, ended jobs' leftovers go before their retention period (oldest
@@ -231,6 +235,27 @@ def tick(store: Store, send: Send, config: TickConfig = TickConfig(), now: float
         return plan
     finally:
         store.release_lock(token)
+
+
+def finish_preflights(store: Store, jobs: tuple[scheduler.JobState, ...]) -> list[str]:
+    """End every preflight whose groups are all dispatched and verified: its summary
+    (`marlaas.verify.preflight.summarize` of the groups' rewards) is stored and the job is done.
+    One round trip while a preflight is in flight, two more when it ends; returns the ended ids."""
+    pending = [j for j in jobs if j.preflight and j.dispatched >= j.groups_per_step]
+    if not pending:
+        return []
+    ended = []
+    for j, n in zip(pending, store.groups_verified_counts([j.id for j in pending])):
+        if n < j.groups_per_step:
+            continue
+        groups, errors = store.group_rewards(j.id, j.groups_per_step)
+        if len(groups) < j.groups_per_step:  # a group regenerated meanwhile: the next tick sees it verified
+            continue
+        result = preflight.summarize(groups, errors)
+        if store.end_preflight(j.id, result):
+            log.info("preflight %s: %s", j.id, result["verdict"])
+            ended.append(j.id)
+    return ended
 
 
 def _verify_messages(items: list[WorkItem] | tuple[WorkItem, ...]) -> list[tuple[str, list]]:

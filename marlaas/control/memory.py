@@ -25,18 +25,21 @@ class TableJob:
     def __init__(self, f: list[str], spec, url: str, evals_done: set):
         jid, _, t, d, pv, created = f
         t, d, p = int(t), int(d), spec.prompts_per_step
+        steps, staleness = spec.steps, spec.max_staleness
+        if spec.preflight:  # one step of preflight_prompts groups at version 0, never trained (scheduler.py)
+            steps, staleness, p = 1, 0, spec.preflight_prompts
         self.id, self.num, self.key = jid, scheduler.id_number(jid), (url, jid, created)
         self.state = scheduler.JobState(
-            id=jid, version=t, steps=spec.steps, staleness=spec.max_staleness, groups_per_step=p,
+            id=jid, version=t, steps=steps, staleness=staleness, groups_per_step=p,
             group_size=spec.group_size, dispatched=d, weight=spec.weight, pass_value=float(pv or 0.0),
             eval_rows=spec.eval_size * (1 + spec.eval_k),  # greedy + sampled completions
-            tenant=spec.tenant,
+            tenant=spec.tenant, preflight=spec.preflight,
         )
         self.rows = max(spec.group_size, self.state.eval_rows)
         self.order = scheduler.trainer_order(self.state)  # the trainer's order (the tick's script keeps it)
         # a candidate for the trainer while its training is not over: are step t's groups all verified?
-        self.ready_line = f"{jid} {t * p} {p}" if t < spec.steps else None
-        evs = scheduler.evals_to_check(t, spec.steps, spec.eval_every)
+        self.ready_line = f"{jid} {t * p} {p}" if t < steps and not spec.preflight else None
+        evs = [] if spec.preflight else scheduler.evals_to_check(t, spec.steps, spec.eval_every)
         self.set_evals([v for v in evs if (*self.key, v) not in evals_done])
 
     def set_evals(self, evals: list[int]) -> None:

@@ -27,6 +27,11 @@ grows by 1 / weight. Over any window a job with weight w gets a share w / sum(w)
 of the ready jobs and models in `trainer_order`, and the plan says which (`Plan.train` or
 `Plan.tinker`, never both) with the lane weight to charge. A plan is frozen: the tick carries it out
 as decided.
+
+Preflights (`JobState.preflight`, a learnability check: marlaas.verify.preflight): a preflight job
+is one step of N groups at version 0 with staleness 0, so admission lets exactly its N groups out;
+it never gets the trainer lane, never an evaluation, and counts for neither the per-tenant lane
+shares nor `jit_jobs`. The tick ends it once its N groups are verified (control/dispatch.py).
 """
 
 from __future__ import annotations
@@ -58,10 +63,16 @@ class JobState:
     eval_rows: int = 0
     need_eval: tuple[int, ...] = ()
     tenant: str = ""
+    preflight: bool = False  # a learnability check: its groups at version 0 only, never trained or evaluated
 
     @property
     def done_training(self) -> bool:
         return self.version >= self.steps
+
+    @property
+    def training(self) -> bool:
+        """Still wants the trainer lane: a job (not a preflight) whose training is not over."""
+        return not self.preflight and not self.done_training
 
 
 @dataclass(frozen=True)
@@ -146,7 +157,7 @@ def lane_weights(jobs: tuple[JobState, ...] | list[JobState]) -> dict[str, float
     equal weight with 1 job gets). Stride scheduling charges a job 1 / this per step."""
     count: dict[str, int] = {}
     for j in jobs:
-        if not j.done_training:
+        if j.training:
             count[j.tenant] = count.get(j.tenant, 0) + 1
     return {j.id: j.weight / max(1, count.get(j.tenant, 0)) for j in jobs}
 
@@ -155,7 +166,7 @@ def choose_trainer(jobs: tuple[JobState, ...] | list[JobState],
                    tinker: tuple[JobState, ...] | list[JobState] = ()) -> JobState | None:
     """Weighted round-robin: the ready job or Tinker model first in `trainer_order` (a model is one
     of `tinker`, a candidate like a job whose step is ready: see `Snapshot.tinker`)."""
-    ready = [j for j in (*jobs, *tinker) if j.ready and not j.done_training]
+    ready = [j for j in (*jobs, *tinker) if j.ready and j.training]  # a preflight never trains
     if not ready:
         return None
     return min(ready, key=trainer_order)
@@ -203,7 +214,7 @@ def _interleave_iter(jobs: tuple[JobState, ...]):
 
 def just_in_time(jobs: tuple[JobState, ...], jit_jobs: int) -> bool:
     """Whether groups ahead are left out: `jit_jobs` > 0 and at least that many jobs still training."""
-    return jit_jobs > 0 and sum(1 for j in jobs if not j.done_training) >= jit_jobs
+    return jit_jobs > 0 and sum(1 for j in jobs if j.training) >= jit_jobs
 
 
 def _groups_in_order(jobs: tuple[JobState, ...], evals: list[Item], ahead: bool = True):
@@ -261,7 +272,8 @@ def plan(s: Snapshot) -> Plan:
     # mixes tenants. "cont" items (a tool episode's next model turn) arrive as leases due at once.
     first = [it for it in expired if it[0] in (ItemKind.GEN, ItemKind.CONT, ItemKind.EVAL)]
     expired_evals = {(it[1], it[2]) for it in first if it[0] == ItemKind.EVAL}
-    evals = [WorkItem(ItemKind.EVAL, j.id, v) for j in s.jobs for v in j.need_eval if (j.id, v) not in expired_evals]
+    evals = [WorkItem(ItemKind.EVAL, j.id, v) for j in s.jobs if not j.preflight
+             for v in j.need_eval if (j.id, v) not in expired_evals]
     ahead = not just_in_time(s.jobs, s.jit_jobs)
     todo = itertools.chain(first, _groups_in_order(s.jobs, evals, ahead))  # lazy: read only what fits
 

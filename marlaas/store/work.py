@@ -181,6 +181,41 @@ class WorkOps:
     def has_evals(self, jid: str, versions: list[int]) -> list[bool]:
         return [bool(x) for x in self.r.hmget(evals_key(jid), [str(v) for v in versions])]
 
+    # ---------------------------------------------------------------- preflights
+    def groups_verified_counts(self, jids: list[str]) -> list[int]:
+        """How many groups of each job are verified (one pipelined round trip): a preflight of N
+        groups is complete when its count reaches N (its groups are 0..N-1, nothing else)."""
+        if not jids:
+            return []
+        p = self.r.pipeline(transaction=False)
+        for j in jids:
+            p.scard(verified_key(j))
+        return [int(x) for x in p.execute()]
+
+    def group_rewards(self, jid: str, n: int) -> tuple[list[list[float]], int]:
+        """(rewards of groups 0..n-1 that have rewards for their current attempt, grader errors
+        among them): one pipelined read, without the completions."""
+        p = self.r.pipeline(transaction=False)
+        for g in range(n):
+            p.hmget(roll_key(jid, g), "attempt", "r_attempt", "rewards")
+        groups, errors = [], 0
+        for attempt, r_attempt, raw in p.execute():
+            if raw is None or attempt != r_attempt:
+                continue
+            d = json.loads(raw)
+            groups.append([float(x) for x in d["rewards"]])
+            errors += int(d.get("errors") or 0)
+        return groups, errors
+
+    def end_preflight(self, jid: str, result: dict) -> bool:
+        """Store a preflight's summary (job field `preflight`) and end the job as done, iff it is
+        still running (a cancelled or failed one stays so); True if it was ended here."""
+        if self.job_fields(jid, "status")[0] != "running":
+            return False
+        self.r.hset(job_key(jid), "preflight", json.dumps(result))
+        self.set_status(jid, "done")
+        return True
+
 
 def _group_json(data: dict) -> str:
     """A group's data as stored: its row by reference (`row_idx` into the job's rows), not copied into

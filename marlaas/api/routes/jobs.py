@@ -17,6 +17,7 @@ from fastapi import APIRouter, Body, Depends, Header, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from marlaas.api import preflight
 from marlaas.api.access import Principal
 from marlaas.api.deps import Caller, service
 from marlaas.api.models import CheckpointList, EventPage, JobList, JobOut
@@ -28,11 +29,22 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 Svc = Depends(service)
 
 
-@router.post("", status_code=201, response_model=JobOut)
-def submit(spec: dict[str, Any] = Body(..., description="A job spec (marlaas.spec.JobSpec); `dataset` and "
-                                       "`eval_dataset` are lists of rows or uploaded file ids."),
-           p: Principal = Caller, svc: Service = Svc) -> dict:
-    return svc.submit(p, spec)
+@router.post("", status_code=201, response_model=JobOut,
+             responses={202: {"model": JobOut, "description": "A preflight still running after `wait` seconds"}})
+async def submit(response: Response,
+                 spec: dict[str, Any] = Body(..., description="A job spec (marlaas.spec.JobSpec); `dataset` and "
+                                             "`eval_dataset` are lists of rows or uploaded file ids."),
+                 wait: float = Query(preflight.MAX_WAIT_S, ge=0, le=preflight.MAX_WAIT_S,
+                                     description="With `\"preflight\": true`: seconds to wait for the result."),
+                 p: Principal = Caller, svc: Service = Svc) -> dict:
+    """Submit a job. With `"preflight": true`, a learnability check instead (nothing is trained): the
+    answer carries its result (`preflight`) once done, or is 202 with the id to poll after `wait` s."""
+    out = await run_in_threadpool(svc.submit, p, spec)
+    if preflight.wanted(spec):
+        out = await preflight.wait(svc, p, out["id"], wait)
+        if out["status"] not in TERMINAL_STATUSES:
+            response.status_code = 202
+    return out
 
 
 @router.get("", response_model=JobList)

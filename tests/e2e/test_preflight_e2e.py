@@ -1,0 +1,74 @@
+"""End to end through the HTTP API on the test base: a preflight (`"preflight": true`) runs on the real
+stations (the scheduler dispatches its groups at version 0, generate samples the base, verify scores
+them with the job's grader, the tick ends it with its summary) and answers without training; a task
+whose grader never rewards is flagged as having no signal."""
+
+import httpx
+import pytest
+
+from marlaas import families
+from marlaas.api.http_client import Client
+from marlaas.verify.preflight import NO_SIGNAL_ZERO
+
+pytestmark = pytest.mark.e2e
+
+PARTIAL = (
+    "def grade(sample, item):\n"
+    "    out, ans = sample['output_text'].strip(), item['answer']\n"
+    "    if out == ans:\n        return 1.0\n"
+    "    hits = sum(1 for a, b in zip(out, ans) if a == b)\n"
+    "    return 0.5 * hits / max(len(ans), len(out), 1)\n"
+)
+NEVER = "def grade(sample, item):\n    return 0.0\n"
+
+
+def _spec(source: str, **kw) -> dict:
+    rows = families.rows("max", "train", 64, 0)
+    d = dict(dataset=[{"prompt": r["prompt"], "answer": r["answer"]} for r in rows],
+             grader={"type": "python", "source": source}, steps=20, prompts_per_step=4, group_size=8,
+             eval_size=4, eval_k=0, max_new_tokens=8, tenant="pf")
+    d.update(kw)
+    return d
+
+
+def _check_untrained(c: Client, jid: str) -> None:
+    job = c.job(jid)
+    assert job.status()["version"] == 0
+    m = job.metrics()
+    assert m["steps"] == [] and m["evals"] == {}, m  # never trained, never evaluated
+
+
+def test_preflight_with_signal_answers_with_its_figures(worker_stack):
+    c = Client()
+    st = c.preflight(_spec(PARTIAL, preflight_prompts=12))
+    assert st["status"] == "done", st
+    pf = st["preflight"]
+    assert pf["prompts"] == 12 and pf["group_size"] == 8 and pf["completions"] == 96
+    assert 0.0 <= pf["exact"] <= pf["mean_reward"] + 1e-9 <= 1.0 + 1e-9
+    assert pf["groups_with_signal"] > 0 and pf["ok"] is True, pf  # partial credit varies within groups
+    assert pf["verdict"].split(":")[0] in ("ok", "weak", "only partial credit")
+    _check_untrained(c, st["job"])
+
+
+def test_preflight_without_signal_says_so(worker_stack):
+    c = Client()
+    st = c.preflight(_spec(NEVER, preflight_prompts=6))
+    assert st["status"] == "done", st
+    pf = st["preflight"]
+    assert pf["exact"] == 0 and pf["mean_reward"] == 0 and pf["signal"] == 0 and pf["ok"] is False
+    assert pf["verdict"] == NO_SIGNAL_ZERO
+    _check_untrained(c, st["job"])
+
+
+def test_preflight_past_its_wait_is_202_then_polled(worker_stack):
+    url = worker_stack.env["MARLAAS_API_URL"]
+    with httpx.Client(base_url=url, timeout=90) as h:
+        r = h.post("/v1/jobs", json={**_spec(NEVER, preflight_prompts=4), "preflight": True}, params={"wait": 0})
+        assert r.status_code == 202, r.text
+        jid = r.json()["id"]
+        assert r.json()["preflight"] is None
+        r = h.post("/v1/jobs", json=_spec(NEVER), params={"wait": 61})
+        assert r.status_code == 422  # the wait is bounded
+    final = Client().job(jid).wait(timeout=300)
+    assert final["status"] == "done" and final["preflight"]["prompts"] == 4, final
+
