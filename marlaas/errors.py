@@ -76,6 +76,12 @@ class Conflict(MarlaasError):
     status = 409
 
 
+class Gone(MarlaasError):
+    """The object has ended for good (a Tinker session finished or expired; HTTP 410)."""
+
+    status = 410
+
+
 class TooLarge(MarlaasError):
     """A request body or an uploaded file is over the server's limit (HTTP 413)."""
 

@@ -3,9 +3,13 @@ checkpoints and sampling sessions (part of the store layer: the only code that s
 
 Key schema (prefix `m:tk:`):
   m:tk:seq                      INCR counter for session, model, sampler and request ids
-  m:tk:session:{s}              hash: tenant, created, beat (last heartbeat)
+  m:tk:session:{s}              hash: tenant, created, beat (last heartbeat), ended (finish reason:
+                                success|errored|interrupted|expired, first wins), detail
+  m:tk:session:{s}:models       set of the session's model ids
   m:tk:model:{m}                hash: tenant, session, base, rank, seed, train_attn/mlp/unembed, alpha,
-                                created, sampler_v (last sampler snapshot number), steps
+                                created, sampler_v (last sampler snapshot number), steps, last (last request
+                                time); a model made with the SDK's model_seq_id is '{session}:train:{seq}',
+                                the id the SDK derives itself, else 'tk{n}'
   m:tk:q:{m}                    zset request id -> client seq_id: the model's ops not yet run
   m:tk:fut:{r}                  hash: tenant, model, kind, seq, body (JSON request), status
                                 (pending|done|failed), result (JSON), error, category; 1 day TTL once ended
@@ -14,15 +18,20 @@ Key schema (prefix `m:tk:`):
   m:tk:live:{m}                 hash: weights, optimizer: the model's state after its last optimizer
                                 step or load (any trainer process continues from it)
   m:tk:ckpt:{m}                 hash checkpoint id ("weights/<name>" | "sampler_weights/<name>") -> JSON
-                                {type, time, size, version (sampler)}
+                                {type, time, size, version (sampler), expires (Unix time, TTL)}
+  m:tk:ttl:{m}                  hash checkpoint id -> TTL seconds the client asked for (applied when stored)
   m:tk:state:{m}:{name}         hash: weights, optimizer (a save_state checkpoint)
   m:tk:sampler:{s}              hash: tenant, base, model_path, model, version ('' = the base model)
   m:job:{m}:adapter:{v}         sampler snapshot v of model m, in the jobs' adapter format, so the
                                 generate engines serve it as AdapterRef(m, v)
 
-Invariants: every read by a caller checks the tenant, and another tenant's object is answered exactly
-as a missing one; a model's ops run in its client's seq_id order (the zset); a future's result is
-written once (the status moves pending -> done|failed only).
+Invariants: a session that has ended (finished by its client, or expired: no heartbeat for
+SESSION_EXPIRY_S) takes no new ops, and its models' queued ops are failed with the reason and leave the
+trainer lane's candidates; an expired checkpoint reads as a missing one and its bytes are deleted (the
+Redis keys also carry the TTL, so they go even if never read); every read by a caller checks the
+tenant, and another tenant's object is answered exactly as a missing one; a model's ops run in its
+client's seq_id order (the zset); a future's result is written once (the status moves pending ->
+done|failed only).
 """
 
 from __future__ import annotations
@@ -32,16 +41,16 @@ import re
 import time
 
 from marlaas.adapters import default_alpha
-from marlaas.errors import NotFound, SpecError
-from marlaas.store.keys import WAKE, P, adapter_key
-from marlaas.types import AdapterBlob
+from marlaas.errors import Gone, NotFound, SpecError
+from marlaas.store.keys import WAKE
+from marlaas.store.tinker_weights import TK, TinkerWeights, ckpt_key, live_key, model_key, state_key, ttl_key  # noqa: F401  (the key schema is spelled in one place)
 
-TK = P + "tk:"
 SEQ = TK + "seq"
 PENDING_TRAIN = TK + "pending:train"
 PENDING_SAMPLE = TK + "pending:sample"
 FUTURE_TTL_S = 86_400
-PATH = re.compile(r"^tinker://([A-Za-z0-9_.-]+)/(weights|sampler_weights)/([A-Za-z0-9_.-]+)$")
+SESSION_EXPIRY_S = 300.0  # the SDK heartbeats every 10 s and warns after 120 s without one
+PATH = re.compile(r"^tinker://([A-Za-z0-9_.:-]+)/(weights|sampler_weights)/([A-Za-z0-9_.-]+)$")
 
 
 def parse_path(path: str) -> tuple[str, str, str]:
@@ -57,8 +66,8 @@ def session_key(s: str) -> str:
     return f"{TK}session:{s}"
 
 
-def model_key(m: str) -> str:
-    return f"{TK}model:{m}"
+def session_models_key(s: str) -> str:
+    return f"{TK}session:{s}:models"
 
 
 def queue_key(m: str) -> str:
@@ -69,18 +78,6 @@ def future_key(r: str) -> str:
     return f"{TK}fut:{r}"
 
 
-def live_key(m: str) -> str:
-    return f"{TK}live:{m}"
-
-
-def ckpt_key(m: str) -> str:
-    return f"{TK}ckpt:{m}"
-
-
-def state_key(m: str, name: str) -> str:
-    return f"{TK}state:{m}:{name}"
-
-
 def sampler_key(s: str) -> str:
     return f"{TK}sampler:{s}"
 
@@ -89,8 +86,9 @@ def _s(v) -> str | None:
     return v.decode() if isinstance(v, bytes) else v
 
 
-class TinkerStore:
-    """Typed access to the Tinker protocol's keys over a `marlaas.store.Store`'s connection."""
+class TinkerStore(TinkerWeights):
+    """Typed access to the Tinker protocol's keys over a `marlaas.store.Store`'s connection (weights and
+    checkpoints: `TinkerWeights`)."""
 
     def __init__(self, store):
         self.store = store
@@ -112,20 +110,66 @@ class TinkerStore:
         self.r.hset(session_key(sid), mapping={"tenant": tenant, "created": now, "beat": now})
         return sid
 
-    def heartbeat(self, tenant: str, sid: str) -> None:
-        self._owned(session_key(sid), tenant, f"session {sid!r}")
-        self.r.hset(session_key(sid), "beat", time.time())
+    def session(self, tenant: str | None, sid: str) -> dict[str, str]:
+        """The session's record if `tenant` owns it; NotFound otherwise."""
+        return self._owned(session_key(sid), tenant, f"session {sid!r}")
 
-    def create_model(self, tenant: str, session: str, base: str, lora: dict) -> str:
-        self._owned(session_key(session), tenant, f"session {session!r}")
-        mid = self._id("tk")
-        self.r.hset(model_key(mid), mapping={
+    def heartbeat(self, tenant: str, sid: str) -> str | None:
+        """Record a heartbeat; the session's end reason instead when it has ended (no beat recorded)."""
+        h = self.session(tenant, sid)
+        if h.get("ended"):
+            return h["ended"]
+        self.r.hset(session_key(sid), "beat", time.time())
+        return None
+
+    def end_session(self, sid: str, reason: str, detail: str = "") -> str:
+        """End the session (the first reason wins) and release its models' queued ops; the reason kept."""
+        if self.r.hsetnx(session_key(sid), "ended", reason):
+            self.r.hset(session_key(sid), mapping={"detail": detail[:500], "ended_at": time.time()})
+        kept = _s(self.r.hget(session_key(sid), "ended")) or reason
+        why = f"session {sid} has ended ({kept}{': ' + detail[:200] if detail else ''}): its queued work was released"
+        for mid in sorted(_s(m) for m in self.r.smembers(session_models_key(sid))):
+            self.release_model(mid, why)
+        return kept
+
+    def session_models(self, sid: str) -> list[str]:
+        return sorted(_s(m) for m in self.r.smembers(session_models_key(sid)))
+
+    def ended(self, sid: str) -> str | None:
+        return _s(self.r.hget(session_key(sid), "ended"))
+
+    def expire_sessions(self, sids: set[str], now: float | None = None,
+                        expiry_s: float = SESSION_EXPIRY_S) -> list[str]:
+        """End those of `sids` whose last heartbeat is older than `expiry_s` (reason 'expired')."""
+        now = time.time() if now is None else now
+        out = []
+        for sid in sorted(sids):
+            beat, ended = self.r.hmget(session_key(sid), "beat", "ended")
+            if beat is not None and ended is None and now - float(beat) > expiry_s:
+                self.end_session(sid, "expired", f"no heartbeat for {int(now - float(beat))} s")
+                out.append(sid)
+        return out
+
+    def create_model(self, tenant: str, session: str, base: str, lora: dict, seq: int | None = None) -> str:
+        """A new model of the session: '{session}:train:{seq}' with the SDK's model_seq_id (the id the
+        SDK derives; asked again, the same model), else 'tk{n}'."""
+        h = self.session(tenant, session)
+        if h.get("ended"):
+            raise Gone(f"session {session} has ended ({h['ended']}): create a new ServiceClient")
+        mid = f"{session}:train:{int(seq)}" if seq is not None else self._id("tk")
+        if seq is not None and self.r.exists(model_key(mid)):
+            return mid
+        now = time.time()
+        p = self.r.pipeline()
+        p.hset(model_key(mid), mapping={
             "tenant": tenant, "session": session, "base": base, "rank": int(lora["rank"]),
             "seed": int(lora.get("seed") or 0), "alpha": float(lora.get("alpha") or default_alpha()),
             "train_attn": int(bool(lora.get("train_attn", True))), "train_mlp": int(bool(lora.get("train_mlp", True))),
-            "train_unembed": int(bool(lora.get("train_unembed", True))), "created": time.time(),
+            "train_unembed": int(bool(lora.get("train_unembed", True))), "created": now, "last": now,
             "sampler_v": 0, "steps": 0,
         })
+        p.sadd(session_models_key(session), mid)
+        p.execute()
         return mid
 
     def model(self, tenant: str | None, mid: str) -> dict[str, str]:
@@ -138,10 +182,10 @@ class TinkerStore:
     def models(self, tenant: str | None) -> list[str]:
         out = []
         for key in self.r.scan_iter(match=model_key("*"), count=1000):
-            mid = key.decode().rsplit(":", 1)[1]
+            mid = key.decode()[len(model_key("")):]
             if tenant is None or _s(self.r.hget(key, "tenant")) == tenant:
                 out.append(mid)
-        return sorted(out, key=lambda m: int(m[2:]) if m[2:].isdigit() else 0)
+        return sorted(out, key=lambda m: float(_s(self.r.hget(model_key(m), "created")) or 0))
 
     # ---------------------------------------------------------------- futures
     def new_future(self, tenant: str, kind: str, model: str = "", seq: int = 0, body: dict | None = None,
@@ -176,6 +220,8 @@ class TinkerStore:
                 "tenant": h["tenant"], "status": h["status"], "body": json.loads(h.get("body") or "{}")}
 
     def _end(self, rid: str, mapping: dict) -> None:
+        if _s(self.r.hget(future_key(rid), "status")) != "pending":
+            return  # written once: a cancelled or released future keeps its first end
         p = self.r.pipeline()
         p.hset(future_key(rid), mapping=mapping)
         p.hdel(future_key(rid), "body")
@@ -188,9 +234,25 @@ class TinkerStore:
     def fail(self, rid: str, error: str, category: str = "user") -> None:
         self._end(rid, {"status": "failed", "error": error, "category": category})
 
+    def cancel(self, tenant: str, rid: str) -> bool:
+        """Cancel a queued op or sample (its future fails 'cancelled'); False when it already runs or ended."""
+        f = self.future(tenant, rid)
+        if f["status"] != "pending":
+            return False
+        removed = self.r.zrem(queue_key(f["model"]), rid) if f["model"] else self.r.lrem(PENDING_SAMPLE, 0, rid)
+        if removed:
+            self.fail(rid, "cancelled by the client (cancel_future) before it ran", "user")
+        return bool(removed)
+
     # ---------------------------------------------------------------- queues
     def enqueue_op(self, tenant: str, mid: str, kind: str, seq: int, body: dict) -> str:
-        """Queue an op of model `mid` in seq order and ask the control worker to dispatch it."""
+        """Queue an op of model `mid` in seq order and ask the control worker to dispatch it (Gone when
+        the model's session has ended)."""
+        sid = _s(self.r.hget(model_key(mid), "session")) or ""
+        if sid and (why := self.ended(sid)):
+            raise Gone(f"session {sid} has ended ({why}): model {mid} takes no more requests; "
+                       "create a new ServiceClient (create_training_client_from_state resumes a checkpoint)")
+        self.r.hset(model_key(mid), "last", time.time())
         rid = self.new_future(tenant, kind, mid, seq, body)
         p = self.r.pipeline()
         p.zadd(queue_key(mid), {rid: seq})
@@ -217,16 +279,31 @@ class TinkerStore:
         samples, _ = p.execute()
         return [_s(s) for s in samples]
 
-    def lane_candidates(self) -> list[tuple[str, str]]:
+    def lane_candidates(self, now: float | None = None, expiry_s: float = SESSION_EXPIRY_S) -> list[tuple[str, str]]:
         """(model, tenant) of every model with queued training ops: candidates for the one trainer lane,
-        in the same weighted round-robin as job steps (the tick picks among them and the jobs)."""
+        in the same weighted round-robin as job steps (the tick picks among them and the jobs). Sessions
+        without a heartbeat for `expiry_s` expire first: their models' queued work is released."""
         mids = sorted(_s(m) for m in self.r.smembers(PENDING_TRAIN))
         if not mids:
             return []
         p = self.r.pipeline(transaction=False)
         for m in mids:
-            p.hget(model_key(m), "tenant")
-        return [(m, _s(t) or "") for m, t in zip(mids, p.execute()) if t is not None]
+            p.hmget(model_key(m), "tenant", "session")
+        rows = [(m, _s(t), _s(sid)) for m, (t, sid) in zip(mids, p.execute())]
+        self.expire_sessions({sid for _, t, sid in rows if sid}, now=now, expiry_s=expiry_s)
+        live = set(_s(m) for m in self.r.smembers(PENDING_TRAIN))
+        return [(m, t or "") for m, t, _ in rows if t is not None and m in live]
+
+    def release_model(self, mid: str, why: str) -> int:
+        """Fail every queued op of the model with `why` and take it off the candidates; how many."""
+        p = self.r.pipeline()
+        p.zrange(queue_key(mid), 0, -1)
+        p.delete(queue_key(mid))
+        p.srem(PENDING_TRAIN, mid)
+        rids = p.execute()[0]
+        for rid in rids:
+            self.fail(_s(rid), why, "user")
+        return len(rids)
 
     def take_model(self, mid: str) -> None:
         """The tick gave the lane to this model: off the pending set until its task puts it back."""
@@ -242,53 +319,6 @@ class TinkerStore:
 
     def queue_length(self, mid: str) -> int:
         return int(self.r.zcard(queue_key(mid)))
-
-    # ---------------------------------------------------------------- weights
-    def put_live(self, mid: str, weights: bytes, optimizer: bytes) -> None:
-        self.r.hset(live_key(mid), mapping={"weights": weights, "optimizer": optimizer})
-
-    def live(self, mid: str) -> tuple[bytes, bytes] | None:
-        w, o = self.r.hmget(live_key(mid), "weights", "optimizer")
-        return (w, o) if w is not None else None
-
-    def put_state(self, mid: str, name: str, weights: bytes, optimizer: bytes) -> str:
-        ck = f"weights/{name}"
-        p = self.r.pipeline()
-        p.hset(state_key(mid, name), mapping={"weights": weights, "optimizer": optimizer})
-        p.hset(ckpt_key(mid), ck, json.dumps({"type": "training", "time": time.time(),
-                                              "size": len(weights) + len(optimizer)}))
-        p.execute()
-        return ck
-
-    def state(self, tenant: str | None, mid: str, name: str) -> tuple[bytes, bytes]:
-        self.model(tenant, mid)
-        w, o = self.r.hmget(state_key(mid, name), "weights", "optimizer")
-        if w is None:
-            raise NotFound(f"no checkpoint 'tinker://{mid}/weights/{name}'")
-        return w, o
-
-    def put_sampler_weights(self, mid: str, blob: AdapterBlob, name: str | None) -> int:
-        """Store a sampler snapshot as adapter version v of `mid` (served like a job's); returns v."""
-        v = int(self.r.hincrby(model_key(mid), "sampler_v", 1))
-        p = self.r.pipeline()
-        p.hset(adapter_key(mid, v), mapping={"config": json.dumps(blob.config), "weights": blob.weights})
-        if name is not None:
-            p.hset(ckpt_key(mid), f"sampler_weights/{name}",
-                   json.dumps({"type": "sampler", "time": time.time(), "size": len(blob.weights), "version": v}))
-        p.execute()
-        return v
-
-    def sampler_version(self, tenant: str | None, mid: str, name: str) -> int:
-        self.model(tenant, mid)
-        raw = self.r.hget(ckpt_key(mid), f"sampler_weights/{name}")
-        if raw is None:
-            raise NotFound(f"no checkpoint 'tinker://{mid}/sampler_weights/{name}'")
-        return int(json.loads(raw)["version"])
-
-    def checkpoints(self, tenant: str | None, mid: str) -> list[dict]:
-        self.model(tenant, mid)
-        out = [{"checkpoint_id": _s(k), **json.loads(v)} for k, v in self.r.hgetall(ckpt_key(mid)).items()]
-        return sorted(out, key=lambda c: c["time"])
 
     # ---------------------------------------------------------------- sampling sessions
     def create_sampler(self, tenant: str, base: str, model_path: str | None, model: str | None,

@@ -192,3 +192,76 @@ def test_another_tenants_objects_answer_as_missing_ones(worker_stack, api_key, h
     operator = {"X-API-Key": "tml-" + operator_token(home)}
     r = call("POST", "create_session", {}, operator)
     assert r.status_code == 403 and r.json()["error"]["type"] == "Forbidden", r.text
+
+
+def test_session_lifecycle_resume_and_checkpoints(worker_stack, tiny_base, api_key):
+    """A `with ServiceClient()` block that raises shows the block's own error (finish answers, never a
+    404 in its place); the finished session's heartbeat is 410 and its model takes no more ops;
+    create_training_client_from_state_with_optimizer resumes with the id the SDK derives; checkpoints
+    list with their TTL, delete frees them; training runs list the tenant's own only."""
+    from tinker import types
+
+    from marlaas.store import Store
+    from marlaas.store.tinker import TinkerStore, queue_key, state_key
+
+    url = os.environ["MARLAAS_API_URL"]
+    own = {"X-API-Key": api_key}
+    probe = [_datum(types, [1, 2, 3], [4, 5], [-1.0, -1.0], 1.0)]
+    with pytest.raises(ValueError, match="the run's own error"):
+        with tinker.ServiceClient(base_url=url, api_key=api_key) as sc:
+            base = sc.get_server_capabilities().supported_models[0].model_name
+            tc = sc.create_lora_training_client(base_model=base, rank=2, seed=1).result()
+            mid = tc.get_info().model_id
+            sid = sc.holder.get_session_id()
+            assert mid == f"{sid}:train:0"  # the SDK's own derivation, for create_model too
+            tc.forward_backward(probe, "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+            ck = tc.save_state("ck", ttl_seconds=3600).result().path
+            tc.save_state("gone").result()
+            at_ck = tc.forward(probe, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+            raise ValueError("the run's own error")
+    r = httpx.post(f"{url}/api/v1/session_heartbeat", json={"session_id": sid}, headers=own, timeout=30)
+    assert r.status_code == 410 and "ended (errored)" in r.text, r.text
+    r = httpx.post(f"{url}/api/v1/optim_step", json={"model_id": mid, "adam_params": {}}, headers=own, timeout=30)
+    assert r.status_code == 410 and "create a new ServiceClient" in r.text, r.text
+
+    with tinker.ServiceClient(base_url=url, api_key=api_key) as sc2:
+        tc2 = sc2.create_training_client_from_state_with_optimizer(ck).result()
+        sid2 = sc2.holder.get_session_id()
+        assert tc2.get_info().model_id == f"{sid2}:train:0" and tc2.get_info().lora_rank == 2
+        resumed = tc2.forward(probe, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        assert resumed == pytest.approx(at_ck, abs=1e-5)
+        rest = tinker.RestClient(base_url=url, api_key=api_key)
+        cks = {c.checkpoint_id: c for c in rest.list_checkpoints(mid).result().checkpoints}
+        assert cks["weights/ck"].expires_at is not None and cks["weights/gone"].expires_at is None
+        rest.delete_checkpoint(mid, "weights/gone").result()
+        assert "weights/gone" not in {c.checkpoint_id for c in rest.list_checkpoints(mid).result().checkpoints}
+        assert not Store().r.exists(state_key(mid, "gone"))  # the bytes are freed
+        with pytest.raises(tinker.NotFoundError):
+            rest.delete_checkpoint(mid, "weights/gone").result()
+        runs = rest.list_training_runs(limit=100).result()
+        ids = {run.training_run_id for run in runs.training_runs}
+        assert {mid, tc2.get_info().model_id} <= ids and runs.cursor.total_count == len(ids)
+        other = "tml-" + __import__("marlaas.api.tenancy", fromlist=["x"]).add_tenant(Store(), "tinker-runs")
+        assert mid not in {x.training_run_id for x in tinker.RestClient(base_url=url, api_key=other)
+                           .list_training_runs().result().training_runs}
+
+    # queued work: cancel_future removes it; an expired session's queued ops fail with the reason
+    ts = TinkerStore(Store())
+    sid3 = httpx.post(f"{url}/api/v1/create_session", json={}, headers=own, timeout=30).json()["session_id"]
+    made = httpx.post(f"{url}/api/v1/create_model", headers=own, timeout=30, json={
+        "session_id": sid3, "model_seq_id": 0, "base_model": base, "lora_config": {"rank": 2}}).json()
+    m3 = made["model_id"]
+    tenant = ts.model(None, m3)["tenant"]
+    rids = [ts.new_future(tenant, "optim_step", m3, i, {"adam": {}}) for i in (1, 2)]
+    ts.r.zadd(queue_key(m3), {r: i for i, r in enumerate(rids)})  # queued, not yet offered to the tick
+    r = httpx.post(f"{url}/api/v1/cancel_future", json={"request_id": rids[0]}, headers=own, timeout=30)
+    assert r.json()["cancelled"] is True and ts.queue_length(m3) == 1
+    assert "cancelled" in ts.future(None, rids[0])["error"]
+    ts.mark_pending(m3)
+    import time as _t
+
+    assert m3 not in dict(ts.lane_candidates(now=_t.time() + 10_000))  # no heartbeat for too long
+    f = ts.future(None, rids[1])
+    assert f["status"] == "failed" and "expired" in f["error"], f
+    assert ts.queue_length(m3) == 0

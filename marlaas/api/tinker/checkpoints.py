@@ -19,11 +19,27 @@ def iso(t: float) -> str:
     return datetime.fromtimestamp(t, tz=UTC).isoformat()
 
 
+def entry(mid: str, c: dict) -> dict:
+    """One checkpoint as the SDK's `Checkpoint` (expires_at from its TTL, None: never)."""
+    return {"checkpoint_id": c["checkpoint_id"], "checkpoint_type": c["type"], "time": iso(c["time"]),
+            "tinker_path": f"tinker://{mid}/{c['checkpoint_id']}", "size_bytes": c.get("size"),
+            "expires_at": iso(c["expires"]) if c.get("expires") is not None else None}
+
+
 def listing(ts: TinkerStore, tenant: str, mid: str) -> dict:
     """The body of GET /training_runs/{mid}/checkpoints."""
-    return {"checkpoints": [{"checkpoint_id": c["checkpoint_id"], "checkpoint_type": c["type"],
-                             "time": iso(c["time"]), "tinker_path": f"tinker://{mid}/{c['checkpoint_id']}",
-                             "size_bytes": c.get("size")} for c in ts.checkpoints(tenant, mid)]}
+    return {"checkpoints": [entry(mid, c) for c in ts.checkpoints(tenant, mid)]}
+
+
+def training_run(ts: TinkerStore, tenant: str, mid: str) -> dict:
+    """A model as the SDK's `TrainingRun`, with its latest training and sampler checkpoints."""
+    m = ts.model(tenant, mid)
+    cks = ts.checkpoints(tenant, mid)
+    last = {kind: next((entry(mid, c) for c in reversed(cks) if c["type"] == kind), None)
+            for kind in ("training", "sampler")}
+    return {"training_run_id": mid, "base_model": m["base"], "model_owner": tenant, "is_lora": True,
+            "lora_rank": int(m["rank"]), "last_request_time": iso(float(m.get("last") or m["created"])),
+            "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"]}
 
 
 def adapter_blob(ts: TinkerStore, tenant: str, mid: str, kind: str, name: str) -> AdapterBlob:
