@@ -265,3 +265,26 @@ def test_session_lifecycle_resume_and_checkpoints(worker_stack, tiny_base, api_k
     f = ts.future(None, rids[1])
     assert f["status"] == "failed" and "expired" in f["error"], f
     assert ts.queue_length(m3) == 0
+
+
+def test_unsupported_calls_fail_fast_with_a_clear_message(worker_stack, api_key):
+    """Every call docs/tinker.md lists as unsupported fails through the unmodified SDK within a second,
+    saying it is not served (the supported ones are the calls of the two tests above)."""
+    import time
+
+    url = os.environ["MARLAAS_API_URL"]
+    rest = tinker.RestClient(base_url=url, api_key=api_key)
+    path = "tinker://tk1/weights/ck"
+    calls = {
+        "publish_checkpoint_from_tinker_path": lambda: rest.publish_checkpoint_from_tinker_path(path).result(),
+        "unpublish_checkpoint_from_tinker_path": lambda: rest.unpublish_checkpoint_from_tinker_path(path).result(),
+        "get_weights_info_by_tinker_path": lambda: rest.get_weights_info_by_tinker_path(path).result(),
+        "list_user_checkpoints": lambda: rest.list_user_checkpoints().result(),
+        "list_sessions": lambda: rest.list_sessions().result(),
+        "copy_weights": lambda: rest.copy_weights(path, destination_project_id="p").result(),
+    }
+    for name, call in calls.items():
+        t0 = time.monotonic()
+        with pytest.raises(tinker.NotFoundError, match="not served by marlaas"):
+            call()
+        assert time.monotonic() - t0 < 1.0, name

@@ -278,6 +278,11 @@ async def asample(request: Request, t: str = Tenant, svc: Service = Svc, ts: Tin
     else:
         _, mid, v = resolve_sampler(svc, ts, t, req.model_path, req.base_model)
     payload = wire.sample_payload(req, mid, v)
+    if (last_n := req.prompt_logprobs_last_n) is not None:  # served by the engine's prompt_logprobs(last_n)
+        if not (req.prompt_logprobs and 1 <= last_n <= len(payload["tokens"]) - 1):
+            raise SpecError(f"invalid request: prompt_logprobs_last_n needs prompt_logprobs and must be in "
+                            f"1..{len(payload['tokens']) - 1} (the prompt's length - 1), got {last_n}")
+        payload["prompt_logprobs_last_n"] = last_n
     rid = ts.enqueue_sample(t, payload)
     return {"request_id": rid, "model_id": None, "sample_sequence_ids": [f"{rid}-{i}" for i in range(payload["n"])]}
 
@@ -330,3 +335,12 @@ def archive(mid: str, kind: str, name: str, t: str = Tenant, svc: Service = Svc,
     blob = checkpoints.adapter_blob(ts, t, mid, kind, name)
     return Response(access.archive(blob, svc.store.deployment().get("base")), media_type="application/gzip",
                     headers={"Content-Disposition": f'attachment; filename="{mid}-{kind}-{name}.tar.gz"'})
+
+
+# ---------------------------------------------------------------- everything else: one clear line
+@router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+def unsupported(rest: str, request: Request, t: str = Tenant) -> dict:
+    """A Tinker call this server does not serve (publish, copy_weights, save_weights_external, ...):
+    404 at once with what it was (the SDK raises NotFoundError), never a hang or a bare 'Not Found'."""
+    raise NotFound(f"{request.method} /api/v1/{rest} is not served by marlaas (docs/tinker.md lists the "
+                   "supported Tinker calls)")
