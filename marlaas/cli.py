@@ -110,10 +110,11 @@ def up(as_json: bool = typer.Option(False, "--json")):
 
     url = embedded.ensure_up(quiet=as_json)
     api_url = embedded.api_url()
-    if not _emit({"api": api_url, "redis": embedded.redact(url), "flower": "http://127.0.0.1:5555"}, as_json):
+    flower = embedded.flower_url()
+    if not _emit({"api": api_url, "redis": embedded.redact(url), "flower": flower}, as_json):
         logs = embedded.get_settings().home / "logs"
         console.print(f"stack up: API {api_url} (tenants), Redis {embedded.redact(url)}, "
-                      f"Flower http://127.0.0.1:5555 (logs under {logs})")
+                      f"Flower {flower} (logs under {logs})")
 
 
 @app.command()
@@ -204,11 +205,18 @@ def status(
     rows = [c.job(job).status()] if job else [j.status() for j in c.jobs()]
     if _emit(rows, as_json):
         return
-    t = Table("job", "tenant", "task", "status", "step", "reward", "staleness", "base acc", "final acc")
+    t = Table("job", "tenant", "task", "status", "step", "train reward", "staleness", "exact base", "exact final",
+              "mean reward base", "mean reward final", "grader errors")
     for r in rows:
-        t.add_row(r["job"], r["tenant"], r["task"], r["status"], f"{r['version']}/{r['steps']}",
-                  _f(r["reward_mean"]), f"{r['staleness']}/{r['max_staleness']}", _f(r["base_acc"]), _f(r["final_acc"]))
+        ge = r.get("grader_errors") or {}
+        t.add_row(r["id"], r["tenant"], r["task"], r["status"], f"{r['version']}/{r['steps']}",
+                  _f(r["reward_mean"]), f"{r['staleness']}/{r['max_staleness']}", _f(r["base_exact"]),
+                  _f(r["final_exact"]), _f(r["base_mean_reward"]), _f(r["final_mean_reward"]),
+                  f"{ge.get('train', 0)} train / {ge.get('eval', 0)} eval")
     console.print(t)
+    for r in rows:
+        if r.get("error"):
+            console.print(f"{r['id']} {r['status']}: {r['error']}")
 
 
 @app.command("eval")
@@ -216,7 +224,9 @@ def eval_(
     job: str = typer.Argument(..., help="A job id."),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Show a job's held-out evaluations: greedy pass@1 and sampled pass@k per adapter version."""
+    """Show a job's held-out evaluations per adapter version: exact (share of prompts whose greedy
+    completion gets full reward), mean reward (greedy, partial credit included), sampled pass@k on
+    full-reward samples, and the training reward of that version."""
     from rich.table import Table
 
     from marlaas.api.http_client import Client
@@ -226,11 +236,14 @@ def eval_(
     if _emit(rows, as_json):
         return
     k = max((r["k"] for r in rows), default=0)
-    t = Table("version", "pass@1 greedy", "pass@1 sampled", f"pass@{k}" if k else "pass@k", "n",
-              title=f"{job} held-out evaluation ({j.status()['status']})")
+    t = Table("version", "exact", "mean reward", "pass@1 sampled", f"pass@{k}" if k else "pass@k", "n",
+              "grader errors", "train reward", title=f"{job} held-out evaluation ({j.status()['status']})")
     for r in rows:
-        t.add_row(str(r["version"]), _f(r["acc"]), _f(r["pass1_sampled"]), _f(r["pass_at_k"]), str(r["n"]))
+        t.add_row(str(r["version"]), _f(r["exact"]), _f(r["mean_reward"]), _f(r["pass1_sampled"]),
+                  _f(r["pass_at_k"]), str(r["n"]), str(r.get("grader_errors", 0)), _f(r.get("train_reward")))
     console.print(t)
+    console.print("exact: share of held-out prompts whose greedy completion gets full reward; mean reward "
+                  "counts partial credit; pass@k counts samples with full reward")
 
 
 @app.command()
@@ -265,7 +278,7 @@ def demo(
     max_staleness: int = typer.Option(2, min=0),
     json_out: Path = typer.Option(None, "--json", help="Write the summary as JSON here."),
 ):
-    """Run several tenants' jobs at once on the embedded stack and report before/after accuracy."""
+    """Run several tenants' jobs at once on the embedded stack and report exact and mean reward before/after."""
     from marlaas.ops.demo import run_demo
 
     run_demo(tenants=tenants, steps=steps, max_staleness=max_staleness, json_out=json_out, console=console)
@@ -278,7 +291,7 @@ def report(
     out: Path = typer.Option(None, "--out", help="Output directory (default: <MARLAAS_HOME>/reports)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Write a PNG and a self-contained HTML report: rewards, accuracy, staleness, station timeline."""
+    """Write a PNG and a self-contained HTML report: rewards, exact and mean reward, staleness, timeline."""
     from marlaas.ops.report import write_report
     from marlaas.settings import get_settings
     from marlaas.store import Store

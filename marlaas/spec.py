@@ -256,6 +256,12 @@ class JobSpec(BaseModel):
     """Sampling temperature of the pass@k completions; None = the job's `temperature`."""
     base_model: str | None = None
     """Optional: the base the user expects; refused when the deployment serves another."""
+    max_grader_error_share: float = Field(0.5, ge=0.0, le=1.0)
+    """The job fails when its grader errs on more than this share of an evaluation's held-out rows
+    (any errored row is also a warning event); 1.0 = never fail for that."""
+    max_grader_error_groups: int = Field(20, ge=1, le=100_000)
+    """The job fails when its grader errs on every completion of this many training groups in a
+    row (a warning event at half of it); a group with one scored completion resets the count."""
     preflight: bool = False
     """A learnability check instead of training: sample the base (version 0) on `preflight_prompts`
     training prompts with `group_size` completions each, score them with the job's verifier or grader,
@@ -268,7 +274,6 @@ class JobSpec(BaseModel):
     them) gets a warning event; 0 = never checked."""
     stop_without_signal: bool = False
     """Fail the job (with the warning as its reason) when its first `no_signal_steps` steps had no signal."""
-
 
     @field_validator("tenant")
     @classmethod
@@ -298,7 +303,7 @@ class JobSpec(BaseModel):
         for what, rows in (("dataset", self.dataset), ("eval_dataset", self.eval_dataset)):
             if not isinstance(rows, list):
                 continue
-            for i, row in enumerate(rows):
+            for i, row in enumerate(rows, start=1):
                 if not isinstance(row, dict) or not isinstance(row.get(self.prompt_field), str) \
                         or not row[self.prompt_field]:
                     raise ValueError(f"{what} row {i} needs a non-empty string {self.prompt_field!r}")

@@ -26,6 +26,7 @@ from marlaas.errors import Forbidden, NotFound, SpecError
 from marlaas.settings import Settings
 from marlaas.store import JobRecord, Store
 from marlaas.types import TERMINAL_STATUSES, AdapterRef
+from marlaas.verify.evaluation import figures
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,13 @@ def adapter_blob(store: Store, rec: JobRecord, v: int | None = None) -> tuple[in
 
 def archive(blob: bytes, base: str | None) -> bytes:
     """An adapter blob as tar.gz bytes of a PEFT directory (adapter_config.json and
-    adapter_model.safetensors at the archive's top level)."""
+    adapter_model.safetensors at the archive's top level). The archive leaves the server: its
+    `base_model_name_or_path` is the base's name (the last part of `base`, e.g.
+    "smollm2-135m-instruct"), never the server's path."""
     buf = io.BytesIO()
     with tempfile.TemporaryDirectory(prefix="marlaas-adapter-") as tmp:
-        out = write_adapter_dir(blob, Path(tmp) / "adapter", base_path=base)
+        name = Path(base).name if base else None
+        out = write_adapter_dir(blob, Path(tmp) / "adapter", base_path=name)
         with tarfile.open(fileobj=buf, mode="w:gz") as tar:
             for name in (CONFIG_NAME, WEIGHTS_NAME):
                 tar.add(out / name, arcname=name)
@@ -146,11 +150,16 @@ def check_lora_rank(store: Store, rank: int, fallback: int | None = None, what: 
 
 # ---------------------------------------------------------------- summaries
 def summary(store: Store, rec: JobRecord) -> dict:
-    """A job's progress in one dict: status, version/steps, last mean reward and staleness, base and
-    final accuracy, error counts, the error, created/updated times."""
+    """A job's progress in one dict: status, version/steps, last mean reward and staleness, the base's
+    and the final version's held-out `exact` and `mean_reward` (`marlaas.verify.evaluation`; base_acc
+    and final_acc are deprecated aliases of the exact figures), error counts (`grader_errors`: the
+    completions the grader could not score, in training and in evaluations), the error, times."""
     last = store.last_metrics(rec.id) or {}
     evals = store.evals(rec.id)
     spec = rec.spec
+    base_exact, base_mean = figures(evals.get(0, {}))
+    final_exact, final_mean = figures(evals.get(spec.steps, {}))
+    train_errors, eval_errors = int(rec.extra.get("verify_errors", 0)), int(rec.extra.get("eval_verify_errors", 0))
     return {
         "id": rec.id,
         "tenant": rec.tenant,
@@ -161,10 +170,15 @@ def summary(store: Store, rec: JobRecord) -> dict:
         "reward_mean": last.get("reward_mean"),
         "staleness": max(last.get("staleness") or [0]),
         "max_staleness": spec.max_staleness,
-        "base_acc": evals.get(0, {}).get("acc"),
-        "final_acc": evals.get(spec.steps, {}).get("acc"),
+        "base_exact": base_exact,
+        "final_exact": final_exact,
+        "base_mean_reward": base_mean,
+        "final_mean_reward": final_mean,
+        "base_acc": base_exact,
+        "final_acc": final_exact,
         "regenerated": int(rec.extra.get("regenerated", 0)),
-        "verify_errors": int(rec.extra.get("verify_errors", 0)),
+        "grader_errors": {"train": train_errors, "eval": eval_errors},
+        "verify_errors": train_errors,
         "tool_calls": int(rec.extra.get("tool_calls", 0)),
         "tool_errors": int(rec.extra.get("tool_errors", 0)),
         "error": rec.extra.get("error"),

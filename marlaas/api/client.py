@@ -69,11 +69,11 @@ class Job:
         return self.client.store
 
     def status(self) -> dict:
-        """Progress in one dict: status, version/steps, last mean reward and staleness, accuracies
-        (the API's job summary, with `job` for its id)."""
+        """Progress in one dict, the API's job summary (`marlaas.api.access.summary`): `id`, status,
+        version/steps, last mean reward and staleness, base/final `exact` and `mean_reward`,
+        `grader_errors`, the error; `job` is a deprecated alias of `id`."""
         s = access.summary(self.store, self.client.record(self.id))
-        s["job"] = s.pop("id")
-        return s
+        return {**s, "job": s["id"]}
 
     def wait(self, progress: bool = False, timeout: float | None = None, poll: float = 0.5) -> dict:
         """Block until the job ends; with progress, show a live bar. Returns the final status."""
@@ -98,19 +98,22 @@ class Job:
         access.cancel(self.store, self.client.record(self.id))
 
     def metrics(self) -> dict:
-        """Per-step training metrics and held-out evaluations by version: `evals[v]` holds acc
-        (greedy pass@1), n (prompts), k (samples per prompt), pass1_sampled, pass_at_k, pass_at
-        ({k: pass@k}), at, and the greedy outputs (see `marlaas.verify.evaluation`)."""
+        """Per-step training metrics and held-out evaluations by version: `evals[v]` holds exact
+        (share of prompts whose greedy completion gets full reward), mean_reward (greedy), n
+        (prompts), k (samples per prompt), pass1_sampled, pass_at_k, pass_at ({k: pass@k on
+        full-reward samples}), grader_errors, acc (= exact, deprecated), at, and the greedy outputs
+        (see `marlaas.verify.evaluation`)."""
         self.client.record(self.id)
         return {"steps": self.store.metrics(self.id), "evals": self.store.evals(self.id)}
 
     def evals(self) -> list[dict]:
         """The held-out evaluations so far, one row per evaluated version (ascending), without
-        outputs: version, acc (greedy pass@1), pass1_sampled, pass_at_k, k, n, pass_at, at."""
-        from marlaas.verify.evaluation import table_row
+        outputs: version, exact, mean_reward, pass1_sampled, pass_at_k, k, n, pass_at, grader_errors,
+        train_reward (the training curve beside them), acc (= exact, deprecated), at."""
+        from marlaas.verify.evaluation import table
 
         self.client.record(self.id)
-        return [table_row(v, e) for v, e in sorted(self.store.evals(self.id).items())]
+        return table(self.store.evals(self.id), self.store.metrics(self.id))
 
     def download_adapter(self, out_dir: str | Path, version: int | None = None) -> Path:
         """Write a published adapter version (default: the newest) as a PEFT adapter directory."""

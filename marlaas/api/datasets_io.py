@@ -5,12 +5,18 @@ Sources (`JobSpec.dataset` / `eval_dataset`):
 - a list of dicts;
 - `*.jsonl` / `*.ndjson`: one JSON object per line; errors name the line, counted from 1 as an
   editor shows it (blank lines are skipped but counted);
-- `*.parquet` / `*.pq`: read with pyarrow; errors name the row, counted from 0 as pyarrow and
-  `datasets` index it;
+- `*.parquet` / `*.pq`: read with pyarrow; errors name the row, counted from 1 (the first row is
+  row 1, as for inline rows: `dataset row 1` is the list's first element);
 - a directory written by `datasets.Dataset.save_to_disk` (it holds `state.json`) or by
   `DatasetDict.save_to_disk` (`dataset_dict.json`; one split is read: the one asked for, else
   "train" for training data and the first of "test", "validation" for held-out data). Errors
   name the row as for parquet, with the split: `dataset mydir[test] row 3: ...`.
+
+Files are named as their user knows them: an uploaded file keeps the name it was uploaded under in
+a sidecar (`<file id>.name`, `remember_name`), and every message names that, never the server's
+file id or path. `load(..., label=True)` keeps each row's label (`grader_fields.ROW_REF`, e.g.
+"dataset data.jsonl line 5") in the stored row, so later errors (a grader failing on that row) can
+name it to the tenant.
 
 Field mapping (invariant of every row this module returns): `rec[fields.prompt]` becomes "prompt"
 (a non-empty string), `rec[fields.answer]` becomes "answer" and `rec[fields.tests]` becomes
@@ -34,10 +40,12 @@ from pathlib import Path
 from marlaas.errors import SpecError
 from marlaas.spec import DATA_SUFFIXES as SUFFIXES
 from marlaas.spec import format_error
+from marlaas.verify.grader_fields import ROW_REF
 
 TRAIN_SPLITS = ("train",)
 EVAL_SPLITS = ("test", "validation")
-RESERVED = ("prompt", "answer", "tests", "raw_prompt")
+RESERVED = ("prompt", "answer", "tests", "raw_prompt", ROW_REF)
+NAME_SUFFIX = ".name"
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,7 @@ def read_records(src: list[dict] | str, what: str = "dataset", split: str | None
                  default_splits: tuple[str, ...] = TRAIN_SPLITS) -> list[tuple[str, object]]:
     """(where, record) pairs of a source, in order; `where` names the source and line/row."""
     if isinstance(src, list):
-        return [(f"{what} row {i}", r) for i, r in enumerate(src)]
+        return [(f"{what} row {i}", r) for i, r in enumerate(src, start=1)]
     path = Path(src)
     err = format_error(path, what)
     if err:
@@ -62,12 +70,29 @@ def read_records(src: list[dict] | str, what: str = "dataset", split: str | None
         out = _read_hf_dir(path, what, split, default_splits)
     else:
         if split is not None:
-            raise SpecError(f"{what} {path.name}: a split ({split!r}) is only for a DatasetDict directory")
+            raise SpecError(f"{what} {display_name(path)}: a split ({split!r}) is only for a DatasetDict directory")
         kind = SUFFIXES[path.suffix.lower()]
         out = _read_jsonl(path, what) if kind == "jsonl" else _read_parquet(path, what)
     if not out:
-        raise SpecError(f"{what} {path.name} has no rows")
+        raise SpecError(f"{what} {display_name(path)} has no rows")
     return out
+
+
+def remember_name(path: Path, filename: str | None) -> None:
+    """Keep the name a stored upload had on its user's machine (its last path part), for messages."""
+    if filename:
+        Path(path).with_suffix(NAME_SUFFIX).write_text(Path(filename).name[:255], encoding="utf-8")
+
+
+def display_name(path: str | Path) -> str:
+    """The name a file is known by to its user: the uploaded name kept by `remember_name`, else its
+    own name (a local file of the direct client)."""
+    path = Path(path)
+    try:
+        name = path.with_suffix(NAME_SUFFIX).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        name = ""
+    return name or path.name
 
 
 def dict_splits(path: str | Path) -> list[str] | None:
@@ -101,12 +126,12 @@ def _read_jsonl(path: Path, what: str) -> list[tuple[str, object]]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise SpecError(f"{what} {path.name}: not UTF-8 ({e.reason} at byte {e.start})") from None
+        raise SpecError(f"{what} {display_name(path)}: not UTF-8 ({e.reason} at byte {e.start})") from None
     out = []
     for i, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        where = f"{what} {path.name} line {i}"
+        where = f"{what} {display_name(path)} line {i}"
         try:
             out.append((where, json.loads(line)))
         except json.JSONDecodeError as e:
@@ -125,8 +150,8 @@ def _read_parquet(path: Path, what: str) -> list[tuple[str, object]]:
     try:
         recs = pq.read_table(path).to_pylist()
     except (pa.ArrowException, OSError, ValueError) as e:
-        raise SpecError(f"{what} {path.name}: not a readable parquet file ({_first_line(e)})") from None
-    return [(f"{what} {path.name} row {i}", r) for i, r in enumerate(recs)]
+        raise SpecError(f"{what} {display_name(path)}: not a readable parquet file ({_first_line(e)})") from None
+    return [(f"{what} {display_name(path)} row {i}", r) for i, r in enumerate(recs, start=1)]
 
 
 def _read_hf_dir(path: Path, what: str, split: str | None,
@@ -147,7 +172,7 @@ def _read_hf_dir(path: Path, what: str, split: str | None,
         recs = load_from_disk(str(path)).to_list()
     except Exception as e:  # datasets raises many types for a damaged directory; report it in one line
         raise SpecError(f"{what} {name}: cannot read the datasets directory ({_first_line(e)})") from None
-    return [(f"{what} {name} row {i}", r) for i, r in enumerate(recs)]
+    return [(f"{what} {name} row {i}", r) for i, r in enumerate(recs, start=1)]
 
 
 def to_row(rec: object, fields: Fields, where: str, verifier: str | None = None) -> dict:
@@ -190,9 +215,15 @@ def _jsonable(v) -> bool:
 
 
 def load(src: list[dict] | str, what: str = "dataset", fields: Fields = Fields(), verifier: str | None = None,
-         split: str | None = None, default_splits: tuple[str, ...] = TRAIN_SPLITS) -> list[dict]:
-    """Rows of a source, mapped and checked; the first bad one raises SpecError naming it."""
-    return [to_row(rec, fields, where, verifier) for where, rec in read_records(src, what, split, default_splits)]
+         split: str | None = None, default_splits: tuple[str, ...] = TRAIN_SPLITS,
+         label: bool = False) -> list[dict]:
+    """Rows of a source, mapped and checked; the first bad one raises SpecError naming it. With
+    `label`, each row keeps its label under `ROW_REF` (see the module docstring)."""
+    rows = []
+    for where, rec in read_records(src, what, split, default_splits):
+        row = to_row(rec, fields, where, verifier)
+        rows.append({**row, ROW_REF: where} if label else row)
+    return rows
 
 
 def has_chat_template(tokenizer) -> bool:

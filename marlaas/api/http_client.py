@@ -112,6 +112,18 @@ class Client:
                              headers={"Content-Type": "application/octet-stream"})
         return r.json()["id"]
 
+    # ---------------------------------------------------------------- graders
+    def validate_grader(self, grader: dict) -> dict:
+        """The grader as it will run (defaults filled in); SpecError with the first problem otherwise
+        (POST /v1/graders/validate)."""
+        return self.request("POST", "/v1/graders/validate", json={"grader": grader}).json()["grader"]
+
+    def run_grader(self, grader: dict, output_text: str, item: dict | None = None) -> dict:
+        """A dry run of a grader on one completion of one dataset row (POST /v1/graders/run):
+        {"reward", "error" (one line or None), "sub_rewards" (a multi grader's, by name)}."""
+        body = {"grader": grader, "sample": {"output_text": output_text}, "item": item or {}}
+        return self.request("POST", "/v1/graders/run", json=body).json()
+
     def add_tenant(self, name: str, quotas: dict | None = None) -> str:
         """Register a tenant (operator token only); returns its token."""
         return self.request("POST", "/v1/tenants", json={"name": name, "quotas": quotas}).json()["token"]
@@ -134,7 +146,8 @@ class Job:
         return self.client.request(method, f"/v1/jobs/{self.id}{what}", **kw).json()
 
     def status(self) -> dict:
-        """Progress in one dict, as `marlaas.api.client.Job.status` (with created / updated times)."""
+        """Progress in one dict, the API's `GET /v1/jobs/{id}` (`id` names the job; `job` is a
+        deprecated alias of it), as `marlaas.api.client.Job.status`."""
         return _as_status(self._call("GET"))
 
     def cancel(self) -> dict:
@@ -155,7 +168,9 @@ class Job:
         return {"steps": m["steps"], "evals": {int(v): e for v, e in m["evals"].items()}}
 
     def evals(self) -> list[dict]:
-        """The held-out evaluations so far, one row per version (ascending), without outputs."""
+        """The held-out evaluations so far, one row per version (ascending), without outputs: exact,
+        mean_reward, pass_at / pass_at_k (on full-reward samples), grader_errors, train_reward, ...
+        (`marlaas.verify.evaluation.table_row`)."""
         return self._call("GET", "/evals")["evals"]
 
     def checkpoints(self) -> list[dict]:
@@ -263,8 +278,8 @@ def error_of(r: httpx.Response) -> MarlaasError:
 
 
 def _as_status(d: dict) -> dict:
-    d = dict(d)
-    return {"job": d.pop("id"), **d}
+    """The API's job summary as is (`id` names the job), plus `job`: a deprecated alias of `id`."""
+    return {**d, "job": d["id"]}
 
 
 def _sse_events(lines: Iterator[str]) -> Iterator[tuple[str, dict]]:
@@ -291,7 +306,7 @@ def progress_bar(bar, st: dict):
     from tqdm import tqdm
 
     if bar is None:
-        bar = tqdm(total=st["steps"], desc=f"{st['job']} {st['task']}", unit="step")
+        bar = tqdm(total=st["steps"], desc=f"{st['id']} {st['task']}", unit="step")
     bar.n = st["version"]
     r = st["reward_mean"]
     bar.set_postfix_str(

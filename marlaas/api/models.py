@@ -31,7 +31,7 @@ class ErrorOut(BaseModel):
 
 
 class JobOut(BaseModel):
-    """A job's progress (what `Job.status()` returns, with `id` for `job`)."""
+    """A job's progress (what `Job.status()` returns)."""
 
     id: str
     """The job id (j<number>)."""
@@ -51,14 +51,25 @@ class JobOut(BaseModel):
     """Largest staleness among the newest step's rollouts."""
     max_staleness: int
     """The job's staleness bound."""
+    base_exact: float | None
+    """Version 0 (the base): share of held-out prompts whose greedy completion gets full reward."""
+    final_exact: float | None
+    """The same for the final version (once evaluated)."""
+    base_mean_reward: float | None
+    """Version 0: mean reward of the held-out greedy completions (counts partial credit)."""
+    final_mean_reward: float | None
+    """The same for the final version (once evaluated)."""
     base_acc: float | None
-    """Held-out greedy accuracy of version 0."""
+    """Deprecated alias of `base_exact` (the same number)."""
     final_acc: float | None
-    """Held-out greedy accuracy of the final version (once evaluated)."""
+    """Deprecated alias of `final_exact` (the same number)."""
     regenerated: int
     """Groups generated again (lost or too stale)."""
+    grader_errors: dict[str, int]
+    """Completions the grader could not score (scored 0): {"train": in training groups, "eval": in
+    held-out evaluations}; each is also a `grader_error` event naming the row."""
     verify_errors: int
-    """Verifier calls that raised (scored 0)."""
+    """The same as grader_errors["train"] (kept for older readers)."""
     tool_calls: int
     """Tool calls of tool tasks."""
     tool_errors: int
@@ -84,11 +95,13 @@ class Event(BaseModel):
     """One entry of a job's timeline."""
 
     type: str
-    """'step' (a published version's metrics), 'eval' (a held-out evaluation) or 'task' (a station task)."""
+    """'step' (a published version's metrics), 'eval' (a held-out evaluation), 'task' (a station task),
+    'grader_error' (the grader could not score a row: phase, version, row, errors, error) or 'warning'
+    (message: e.g. the grader errs on many rows; the job fails past its limits)."""
     at: float
     """When it happened (Unix seconds); the cursor of pagination."""
     data: dict[str, Any]
-    """The metrics row, the evaluation row, or {station, start, end}."""
+    """The metrics row, the evaluation row, {station, start, end}, or the notice's fields."""
 
 
 class EventPage(BaseModel):
@@ -114,7 +127,8 @@ class Checkpoint(BaseModel):
     version: int
     """The adapter version."""
     adapter: bool
-    """Whether its adapter can be downloaded (older versions are deleted unless evaluated)."""
+    """Whether its adapter can be downloaded: the newest versions (the last KEEP_VERSIONS_EXTRA + 1)
+    and every evaluated version stay; the others are deleted as the job publishes."""
     eval: dict[str, Any] | None
     """Its held-out evaluation row, if evaluated."""
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from marlaas.api import access, admission, tenancy
 from marlaas.api.access import Limits, Principal
-from marlaas.api.datasets_io import SUFFIXES, read_records
+from marlaas.api.datasets_io import NAME_SUFFIX, SUFFIXES, read_records, remember_name
 from marlaas.errors import (
     Conflict,
     Forbidden,
@@ -192,6 +192,7 @@ class Service:
         evs += [{"type": "task", "at": e["end"],
                  "data": {"station": e["station"], "start": e["start"], "end": e["end"]}}
                 for e in self.store.events_since(since) if job_id in e["jobs"] and e["end"] > since]
+        evs += self.store.notices(job_id, since)  # grader_error / warning: what the tenant must be told
         evs.sort(key=lambda e: e["at"])
         page = evs[:max(limit, 1)]
         return {"job": job_id, "status": rec.status, "version": rec.version, "events": page,
@@ -249,6 +250,7 @@ class Service:
             kind = _file_kind(filename, head)
             path = d / f"{fid}.{kind}"
             part.replace(path)
+            remember_name(path, filename)  # errors name the file as its user knows it
         finally:
             part.unlink(missing_ok=True)
         try:
@@ -257,6 +259,7 @@ class Service:
                     raise SpecError(f"{where}: expected an object (one row), got {type(rec).__name__}")
         except SpecError:
             path.unlink(missing_ok=True)
+            path.with_suffix(NAME_SUFFIX).unlink(missing_ok=True)
             raise
         return fid
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from marlaas.errors import Forbidden, SpecError
 from marlaas.spec import JobSpec
 from marlaas.types import eval_versions
+from marlaas.verify.grader_fields import ref_of
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -128,7 +129,7 @@ def check_rows(store, tenant: str | None, train: list[dict], held: list[dict]) -
         for i, row in enumerate(rows):
             n = len(json.dumps(row))
             if n > q.max_row_bytes:
-                raise SpecError(f"over quota: {split} row {i} has {n} bytes > {q.max_row_bytes}")
+                raise SpecError(f"over quota: {ref_of(row, f'{split} row {i + 1}')} has {n} bytes > {q.max_row_bytes}")
             total += n
     if total > q.max_dataset_bytes:
         raise SpecError(f"over quota: the dataset has {total} bytes > {q.max_dataset_bytes}")

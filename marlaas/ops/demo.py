@@ -2,8 +2,8 @@
 
 Starts the stack if needed (building the base model the first time), submits one job per tenant on
 different task families, shows a live line per tenant (step, mean reward, staleness), then prints
-held-out accuracy before and after, each station's busy fraction over the run, and where the
-adapters were written. `--json PATH` writes the same summary.
+held-out `exact` (share of prompts answered with full reward) and `mean_reward` before and after,
+each station's busy fraction over the run, and where the adapters were written. `--json PATH` writes the same summary.
 """
 
 from __future__ import annotations
@@ -40,16 +40,20 @@ def demo_specs(tenants: int, steps: int | None, max_staleness: int) -> list[JobS
     ]
 
 
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def _table(statuses: list[dict], final: bool = False) -> Table:
-    t = Table("tenant", "job", "task", "status", "step", "reward", "staleness", "base acc", "final acc",
+    """Exact = share of held-out prompts answered with full reward; mean reward counts partial credit."""
+    t = Table("tenant", "job", "task", "status", "step", "train reward", "staleness", "exact base",
+              "exact final", "mean reward base", "mean reward final",
               title="marlaas demo" + (" (done)" if final else ""))
     for s in statuses:
         t.add_row(
-            s["tenant"], s["job"], s["task"], s["status"], f"{s['version']}/{s['steps']}",
-            "-" if s["reward_mean"] is None else f"{s['reward_mean']:.2f}",
-            f"{s['staleness']}/{s['max_staleness']}",
-            "-" if s["base_acc"] is None else f"{s['base_acc']:.2f}",
-            "-" if s["final_acc"] is None else f"{s['final_acc']:.2f}",
+            s["tenant"], s["id"], s["task"], s["status"], f"{s['version']}/{s['steps']}",
+            _f(s["reward_mean"]), f"{s['staleness']}/{s['max_staleness']}",
+            _f(s["base_exact"]), _f(s["final_exact"]), _f(s["base_mean_reward"]), _f(s["final_mean_reward"]),
         )
     return t
 
@@ -90,7 +94,9 @@ def run_demo(tenants: int = 4, steps: int | None = None, max_staleness: int = 2,
             path = str(j.download_adapter(adapters_dir / f"{s['tenant']}-{s['task']}-{j.id}"))
         summary["tenants"].append({
             "job": j.id, "tenant": s["tenant"], "task": s["task"], "status": s["status"],
-            "base_acc": s["base_acc"], "final_acc": s["final_acc"], "steps": s["steps"],
+            "base_exact": s["base_exact"], "final_exact": s["final_exact"],
+            "base_mean_reward": s["base_mean_reward"], "final_mean_reward": s["final_mean_reward"],
+            "steps": s["steps"],
             "versions": s["version"] + 1,
             "adapter": path and str(Path(path).relative_to(get_settings().home)),  # under MARLAAS_HOME
         })

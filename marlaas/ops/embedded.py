@@ -183,6 +183,8 @@ def stack_env(url: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     # The embedded API binds loopback; with no tenant registered it serves the single local user.
     env.setdefault("MARLAAS_API_OPEN", "1")
     env.setdefault("MARLAAS_FLOWER_AUTH", flower_auth())  # Flower only behind basic auth
+    # Flower reads FLOWER_BASIC_AUTH from its environment: the password never sits in its argv (`ps`).
+    env["FLOWER_BASIC_AUTH"] = env["MARLAAS_FLOWER_AUTH"]
     # The Procfile's commands (marlaas, celery) come from this interpreter's environment.
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -344,6 +346,11 @@ def ensure_up(quiet: bool = False) -> str:
     finally:
         if status:
             status.stop()
+
+
+def flower_url() -> str:
+    """Where the embedded Flower listens: loopback, MARLAAS_FLOWER_PORT (default 5555), as the Procfile."""
+    return f"http://127.0.0.1:{os.environ.get('MARLAAS_FLOWER_PORT') or 5555}"
 
 
 def api_url() -> str:

@@ -26,6 +26,7 @@ import redis
 from marlaas.errors import MarlaasError, NotFound, StoreUnavailable
 from marlaas.ops.timeline import STATIONS, busy_fractions
 from marlaas.types import TERMINAL_STATUSES
+from marlaas.verify.evaluation import figures
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +46,18 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "marlaas_job_reward_mean": ("gauge", "Mean reward of the rollouts trained on in the job's last step."),
     "marlaas_job_staleness": ("gauge", "Largest staleness (trained version minus sampling version) in the last step."),
     "marlaas_job_max_staleness": ("gauge", "The job's staleness bound S (max_staleness)."),
-    "marlaas_job_eval_accuracy": ("gauge", "Held-out greedy accuracy of each evaluated adapter version."),
-    "marlaas_job_eval_pass_at_k": ("gauge", "Held-out sampled pass@k (unbiased) of each evaluated version and k."),
+    "marlaas_job_eval_exact": ("gauge", "Share of held-out prompts whose greedy completion gets full reward, "
+                               "per evaluated adapter version."),
+    "marlaas_job_eval_mean_reward": ("gauge", "Mean reward of the held-out greedy completions (partial credit "
+                                     "included), per evaluated adapter version."),
+    "marlaas_job_eval_accuracy": ("gauge", "Deprecated alias of marlaas_job_eval_exact (the same value)."),
+    "marlaas_job_eval_pass_at_k": ("gauge", "Held-out sampled pass@k (unbiased, counted on full-reward samples) "
+                                   "of each evaluated version and k."),
     "marlaas_job_status": ("gauge", "1 for the job's current status (label status)."),
     "marlaas_job_regenerated_total": ("counter", "Rollout groups thrown away and generated again."),
     "marlaas_job_verify_errors_total": ("counter", "Verifier errors while scoring the job's rollouts."),
+    "marlaas_job_grader_errors_total": ("counter", "Completions the grader could not score, by phase "
+                                        "(train, eval)."),
     "marlaas_queue_depth": ("gauge", "Messages waiting in each Celery queue (Redis list length)."),
     "marlaas_station_busy_fraction": ("gauge", "Fraction of the last window each station was busy (union of tasks)."),
     "marlaas_station_busy_window_seconds": ("gauge", "Length of the window the busy fractions cover."),
@@ -95,7 +103,9 @@ def _collect(store, now: float, window_s: float, finished_within_s: float | None
             "max_staleness": rec.spec.max_staleness,
             "regenerated": int(rec.extra.get("regenerated") or 0),
             "verify_errors": int(rec.extra.get("verify_errors") or 0),
-            "evals": {v: e.get("acc") for v, e in evs.items()},
+            "eval_verify_errors": int(rec.extra.get("eval_verify_errors") or 0),
+            "evals": {v: figures(e)[0] for v, e in evs.items()},
+            "mean_reward": {v: figures(e)[1] for v, e in evs.items()},
             "pass_at": {v: e.get("pass_at", {}) for v, e in evs.items()},
         })
     lease = store.trainer_lease()
@@ -161,9 +171,13 @@ def render(snapshot: dict) -> str:
             samples["marlaas_job_staleness"].append((base, j["staleness"]))
         if j.get("max_staleness") is not None:
             samples["marlaas_job_max_staleness"].append((base, j["max_staleness"]))
-        for v, acc in sorted((int(v), a) for v, a in j.get("evals", {}).items()):
-            if acc is not None:
-                samples["marlaas_job_eval_accuracy"].append(({**base, "version": v}, acc))
+        for v, exact in sorted((int(v), a) for v, a in j.get("evals", {}).items()):
+            if exact is not None:
+                samples["marlaas_job_eval_exact"].append(({**base, "version": v}, exact))
+                samples["marlaas_job_eval_accuracy"].append(({**base, "version": v}, exact))
+        for v, mean in sorted((int(v), a) for v, a in j.get("mean_reward", {}).items()):
+            if mean is not None:
+                samples["marlaas_job_eval_mean_reward"].append(({**base, "version": v}, mean))
         for v, by_k in sorted((int(v), p) for v, p in j.get("pass_at", {}).items()):
             for k, val in sorted(by_k.items(), key=lambda kv: int(kv[0])):
                 if val is not None:
@@ -171,6 +185,8 @@ def render(snapshot: dict) -> str:
         samples["marlaas_job_status"].append(({**base, "status": j["status"]}, 1))
         samples["marlaas_job_regenerated_total"].append((base, j.get("regenerated", 0)))
         samples["marlaas_job_verify_errors_total"].append((base, j.get("verify_errors", 0)))
+        samples["marlaas_job_grader_errors_total"].append(({**base, "phase": "train"}, j.get("verify_errors", 0)))
+        samples["marlaas_job_grader_errors_total"].append(({**base, "phase": "eval"}, j.get("eval_verify_errors", 0)))
     if up:
         for q, n in snapshot.get("queues", {}).items():
             samples["marlaas_queue_depth"].append(({"queue": q}, n))

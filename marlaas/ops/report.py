@@ -1,11 +1,14 @@
 """Run reports: one PNG and one self-contained HTML page for a set of jobs.
 
 The PNG has four panels: mean reward per step (one curve per job, labelled with its tenant),
-held-out greedy pass@1 (and sampled pass@k, dashed) per evaluated version, a staleness histogram of every trained group
+held-out `exact` (solid: share of prompts whose greedy completion gets full reward), `mean_reward`
+(dotted: the mean greedy reward, partial credit included) and sampled pass@k on full-reward samples
+(dashed) per evaluated version, a staleness histogram of every trained group
 (grouped bars per tenant), and the station timeline (a Gantt chart, one row per station, bars from
 the event log, each station's busy fraction over the shown window in its label). The HTML page embeds
 that PNG as a base64 data URI (no other file is needed to view it) and has one table per tenant:
-job, task, status, steps, base and final accuracy, regenerated groups, verifier errors, final pass@k.
+job, task, status, steps, base and final exact and mean reward, regenerated groups, grader errors
+(training / evaluation), final pass@k.
 
 The timeline window runs from the first job's creation to the last recorded activity of the chosen
 jobs; it shows every station event in that window, including other tenants' work sharing the stations.
@@ -22,6 +25,7 @@ from pathlib import Path
 
 from marlaas.errors import MarlaasError
 from marlaas.ops.timeline import STATIONS, busy_fractions
+from marlaas.verify.evaluation import figures
 
 STATION_COLORS = {"generate": "#4c78a8", "verify": "#f58518", "train": "#54a24b", "control": "#9d755d"}
 
@@ -49,10 +53,12 @@ def gather(store, job_ids: list[str]) -> dict:
             "created": rec.created,
             "last": max(last_at),
             "metrics": steps,
-            "evals": {v: e.get("acc") for v, e in sorted(evals.items())},
+            "evals": {v: figures(e)[0] for v, e in sorted(evals.items())},
+            "mean_reward": {v: figures(e)[1] for v, e in sorted(evals.items())},
             "pass_k": {v: (e.get("k", 0), e.get("pass_at_k")) for v, e in sorted(evals.items())},
             "regenerated": int(rec.extra.get("regenerated") or 0),
             "verify_errors": int(rec.extra.get("verify_errors") or 0),
+            "eval_verify_errors": int(rec.extra.get("eval_verify_errors") or 0),
         })
     t0 = min(j["created"] for j in jobs)
     events = store.events_since(t0)
@@ -94,13 +100,17 @@ def plot_png(data: dict) -> bytes:
     for j, c in zip(data["jobs"], colors):
         pts = [(v, a) for v, a in j["evals"].items() if a is not None]
         if pts:
-            ax_a.plot(*zip(*pts), marker="o", color=c, label=_label(j))
+            ax_a.plot(*zip(*pts), marker="o", color=c, label=f"{_label(j)} exact")
+        mr = [(v, a) for v, a in j.get("mean_reward", {}).items() if a is not None]
+        if mr:
+            ax_a.plot(*zip(*mr), marker=".", linestyle=":", color=c, label=f"{_label(j)} mean reward")
         pk = [(v, p, k) for v, (k, p) in j.get("pass_k", {}).items() if p is not None]
         if pk:
             ax_a.plot([v for v, _, _ in pk], [p for _, p, _ in pk], marker="x", linestyle="--", color=c,
                       label=f"{_label(j)} pass@{pk[-1][2]}")
     ax_a.set_ylim(-0.03, 1.03)
-    _finish(ax_a, "Held-out greedy pass@1 (solid) and sampled pass@k (dashed)", "adapter version", "accuracy")
+    _finish(ax_a, "Held-out exact (solid), mean reward (dotted), sampled pass@k (dashed)", "adapter version",
+            "share of prompts / reward")
 
     for ax in (ax_r, ax_a):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -197,19 +207,22 @@ def html_page(data: dict, png: bytes) -> str:
         "<h1>marlaas run report</h1>",
         f"<p>{len(data['jobs'])} job(s) of {len(by_tenant)} tenant(s); generated {e(when)}; "
         f"window {data['t1'] - data['t0']:.1f} s; station busy fractions: {e(busy)}.</p>",
-        f'<img alt="reward, accuracy, staleness and station timeline" '
+        f'<img alt="reward, exact and mean reward, staleness and station timeline" '
         f'src="data:image/png;base64,{base64.b64encode(png).decode()}">',
     ]
     for tenant, jobs in by_tenant.items():
         parts.append(f"<h2>tenant {e(tenant)}</h2>")
-        parts.append("<table><tr><th>job</th><th>task</th><th>status</th><th>steps</th><th>base acc</th>"
-                     "<th>final acc</th><th>regenerated</th><th>verify errors</th><th>final pass@k</th></tr>")
+        parts.append("<table><tr><th>job</th><th>task</th><th>status</th><th>steps</th><th>base exact</th>"
+                     "<th>final exact</th><th>base mean reward</th><th>final mean reward</th><th>regenerated</th>"
+                     "<th>grader errors (train / eval)</th><th>final pass@k</th></tr>")
         for j in jobs:
+            mean, last = j.get("mean_reward", {}), j["steps_total"]
             parts.append(
                 f"<tr><td>{e(j['job'])}</td><td class=l>{e(j['task'])}</td><td class=l>{e(j['status'])}</td>"
-                f"<td>{j['version']}/{j['steps_total']}</td><td>{_f(j['evals'].get(0))}</td>"
-                f"<td>{_f(j['evals'].get(j['steps_total']))}</td><td>{j['regenerated']}</td>"
-                f"<td>{j['verify_errors']}</td><td>{_pk(j, j['steps_total'])}</td></tr>"
+                f"<td>{j['version']}/{last}</td><td>{_f(j['evals'].get(0))}</td>"
+                f"<td>{_f(j['evals'].get(last))}</td><td>{_f(mean.get(0))}</td><td>{_f(mean.get(last))}</td>"
+                f"<td>{j['regenerated']}</td><td>{j['verify_errors']} / {j.get('eval_verify_errors', 0)}</td>"
+                f"<td>{_pk(j, last)}</td></tr>"
             )
         parts.append("</table>")
     parts.append("</body></html>")

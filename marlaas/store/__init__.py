@@ -15,10 +15,12 @@ Key schema (prefix `m:`):
                                 cont = 1 while a tool episode awaits its next model turn
   m:job:{j}:verified            set of group indices verified and not yet trained
   m:job:{j}:eval:{v}            hash of the held-out evaluation of version v (like a rollout)
-  m:job:{j}:evals               hash v -> JSON {acc, n, k, pass_at_k, ...} (marlaas.verify.evaluation.summarize)
+  m:job:{j}:evals               hash v -> JSON {exact, mean_reward, n, k, pass_at_k, ...} (evaluation.summarize)
   m:job:{j}:adapter:{v}         hash: config (JSON), weights (safetensors bytes)
   m:job:{j}:optim               hash: version, data (optimizer state bytes)
   m:job:{j}:metrics             list of JSON, one per published step
+  m:job:{j}:notices             list of JSON {type, at, data}: what the job's tenant is told (grader errors,
+                                warnings), capped; kept with the metrics
   m:leases                      zset work item -> deadline (re-dispatched when expired)
   m:job:{j}:leases              set: the job's lease index, every item it ever leased (a superset of
                                 its live leases; set_status drops them without walking m:leases)

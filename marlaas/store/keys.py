@@ -77,6 +77,10 @@ def job_end_key(j: str) -> str:
     return f"{P}job:{j}:end"
 
 
+def notices_key(j: str) -> str:
+    return f"{P}job:{j}:notices"
+
+
 def lease_index_key(j: str) -> str:
     return f"{P}job:{j}:leases"
 

@@ -1,18 +1,24 @@
-"""The store's observability: task events, metrics reads, queue depths, base model files."""
+"""The store's observability: task events, a job's notices to its tenant, metrics reads, queue
+depths, base model files."""
 
 from __future__ import annotations
 
 import json
+import time
 
 from marlaas.store.keys import (
     BASE_MANIFEST,
     EVENTS,
     P,
     base_file_key,
+    job_key,
     metrics_key,
+    notices_key,
 )
 
 EVENTS_CAP = 200_000
+NOTICES_CAP = 1000
+"""A job keeps at most this many notices (the newest)."""
 
 class ObserveOps:
     """Events, reads for metrics and reports, the base model's files (mixed into marlaas.store.Store)."""
@@ -30,6 +36,23 @@ class ObserveOps:
     def events(self, since: float = 0.0) -> list[dict]:
         evs = [json.loads(x) for x in self.r.lrange(EVENTS, 0, -1)]
         return [e for e in evs if e["end"] >= since]
+
+    # ---------------------------------------------------------------- a job's notices to its tenant
+    def add_notice(self, jid: str, kind: str, data: dict, phase: str | None = None, limit: int = 0) -> bool:
+        """Tell the job's tenant something (a grader error, a warning): a timeline entry {type: kind,
+        at, data}. With `phase`, at most `limit` notices per phase are kept (a counter in the job
+        record, `notices:<phase>`): returns False for one over the limit (nothing written)."""
+        if phase is not None and self.r.hincrby(job_key(jid), f"notices:{phase}", 1) > limit:
+            return False
+        p = self.r.pipeline()
+        p.rpush(notices_key(jid), json.dumps({"type": kind, "at": time.time(), "data": data}))
+        p.ltrim(notices_key(jid), -NOTICES_CAP, -1)
+        p.execute()
+        return True
+
+    def notices(self, jid: str, since: float = 0.0) -> list[dict]:
+        """The job's notices after time `since`, oldest first."""
+        return [n for n in (json.loads(x) for x in self.r.lrange(notices_key(jid), 0, -1)) if n["at"] > since]
 
     # ---------------------------------------------------------------- observability (metrics, reports)
     def last_metrics(self, jid: str) -> dict | None:

@@ -3,7 +3,8 @@
 Idempotent and Celery-free (tasks/verify.py wraps it): a duplicate verify rewrites the same rewards,
 and rewards are accepted only for the rollout attempt they were computed on. Work comes in the kinds
 the leases name (marlaas.types.ItemKind): VER (groups) and EVALVER (evaluations, idx = version).
-Settings come in as arguments (`tool_url`), read by the process edge.
+Settings come in as arguments (`tool_url`), read by the process edge. Grader errors are counted
+and shown to the tenant by `job_scoring.report_train` / `report_eval` (which may fail the job).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def run_verify(store: Store, jid: str, kind: str, idxs: list[int], tool_url: str
     are versions); returns items accepted. ValueError for any other kind. `tool_url`: the tool
     server of tool episodes; `advanced`: a tool job's groups already through their tool calls
     (run_verify_many)."""
-    from marlaas.verify.job_scoring import score_job
+    from marlaas.verify.job_scoring import report_eval, report_train, score_job
 
     kind = ItemKind(kind)
     if kind not in (ItemKind.VER, ItemKind.EVALVER):
@@ -59,13 +60,12 @@ def run_verify(store: Store, jid: str, kind: str, idxs: list[int], tool_url: str
             rolls = [(g, r) for g in idxs if (r := store.rollout(jid, g)) is not None]
             if families.tool_of(spec):  # groups with pending tool calls go back to generate (agentic)
                 rolls = agentic.advance_groups(store, jid, rolls, tool_url)
-        scores = score_job(store, jid, spec, [(r["row"], [c["text"] for c in r["completions"]]) for _, r in rolls])
+        # the grader's errors are counted and shown to the tenant with its row, then the policy runs
+        scores = score_job(store, jid, spec, [(r["row"], [c["text"] for c in r["completions"]]) for _, r in rolls],
+                           report=lambda sc: report_train(store, jid, rolls, sc))
         if scores is None:  # the job's grader cannot load or kept failing: the job was failed
             return 0
         for (g, roll), res in zip(rolls, scores):
-            if res.errors:
-                store.incr_field(jid, "verify_errors", res.errors)
-                log.warning("job %s group %s: %d verifier errors: %s", jid, g, res.errors, res.error)
             accepted += store.accept_rewards(jid, g, roll["attempt"], {"rewards": res.rewards, "errors": res.errors})
         return accepted
     for v in idxs:
@@ -78,14 +78,16 @@ def run_verify(store: Store, jid: str, kind: str, idxs: list[int], tool_url: str
         if scores is None:
             return accepted
         sampled = [s.rewards[1:] for s in scores] if all(r.get("samples") for r in ev["rows"]) else None
-        result = evaluation.summarize([s.rewards[0] for s in scores], sampled)
+        result = evaluation.summarize([s.rewards[0] for s in scores], sampled, sum(1 for s in scores if s.errors))
         # The greedy outputs are kept with the score: an exported adapter must reproduce them.
         result.update(at=time.time(), outputs=[
             {"prompt": r["row"]["prompt"], "text": r["text"], "reward": s.rewards[0],
-             "samples_correct": sum(1 for x in s.rewards[1:] if x >= evaluation.CORRECT_AT)}
+             "samples_correct": sum(1 for x in s.rewards[1:] if x >= evaluation.FULL)}
             for r, s in zip(ev["rows"], scores)])
         store.put_eval_result(jid, v, result)
         accepted += 1
+        if not report_eval(store, jid, spec, v, ev["rows"], scores):  # too many rows erred: the job failed
+            return accepted
         if all(store.has_evals(jid, eval_versions(spec.steps, spec.eval_every))):
             store.set_status(jid, "done")
     return accepted

@@ -11,6 +11,7 @@ from marlaas.api.datasets_io import Fields, render_chat
 from marlaas.api.rows import job_rows, load_rows
 from marlaas.errors import MarlaasError, SpecError
 from marlaas.spec import parse_spec
+from marlaas.verify.grader_fields import ROW_REF, strip_ref
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -67,12 +68,12 @@ def test_code_rows_from_parquet_with_a_tests_column(tmp_path):
     src = _parquet(tmp_path / "code.parquet", recs)
     train, held = job_rows(parse_spec({"dataset": src, "verifier": "code", "prompt_field": "task",
                                        "tests_field": "cases"}))
-    assert train[0] == {"prompt": "two", "tests": ["assert result == 2"], "entry": "expression"}
+    assert strip_ref(train[0]) == {"prompt": "two", "tests": ["assert result == 2"], "entry": "expression"}
     recs[1] = {"task": "two", "cases": None, "entry": "expression"}
     _parquet(tmp_path / "code.parquet", recs)
     _one_line_error(lambda: job_rows(parse_spec({"dataset": src, "verifier": "code", "prompt_field": "task",
                                                  "tests_field": "cases"})),
-                    "code.parquet row 1", "needs 'cases'")
+                    "code.parquet row 2", "needs 'cases'")
 
 
 @pytest.mark.unit
@@ -117,30 +118,30 @@ def test_dataset_dict_split_choice(tmp_path):
 @pytest.mark.unit
 def test_a_bad_row_is_named_in_every_format(tmp_path):
     recs = _records(20)
-    recs[17] = {"solution": 1, "level": 0}  # no question
+    recs[17] = {"solution": 1, "level": 0}  # no question: the 18th row
     spec = {**CUSTOM}
     _one_line_error(lambda: job_rows(parse_spec({"dataset": _parquet(tmp_path / "data.parquet", recs), **spec})),
-                    "dataset data.parquet row 17: 'question' is missing")
+                    "dataset data.parquet row 18: 'question' is missing")
     _one_line_error(lambda: job_rows(parse_spec({"dataset": _hf_dir(tmp_path / "hf", recs), **spec})),
-                    "dataset hf row 17: 'question' is missing")
+                    "dataset hf row 18: 'question' is missing")
     dd = _hf_dict_dir(tmp_path / "dd", train=_records(3), test=recs)
     _one_line_error(lambda: job_rows(parse_spec({"dataset": dd, **spec})),
-                    "dataset dd[test] row 17: 'question' is missing")
+                    "dataset dd[test] row 18: 'question' is missing")
     lines = [json.dumps(r) for r in recs]
-    lines.insert(5, "")  # blank lines are skipped but counted: row 17 is on line 19
+    lines.insert(5, "")  # blank lines are skipped but counted: row 18 is on line 19
     (tmp_path / "d.jsonl").write_text("\n".join(lines))
     _one_line_error(lambda: job_rows(parse_spec({"dataset": str(tmp_path / "d.jsonl"), **spec})),
                     "dataset d.jsonl line 19: 'question' is missing")
     recs[17] = {"question": "q", "solution": None}  # a null answer is a missing answer
     _one_line_error(lambda: job_rows(parse_spec({"dataset": _parquet(tmp_path / "n.parquet", recs), **spec})),
-                    "n.parquet row 17: 'solution' is missing (the exact verifier needs it)")
+                    "n.parquet row 18: 'solution' is missing (the exact verifier needs it)")
     recs[17] = {"question": "", "solution": 1}
     _one_line_error(lambda: job_rows(parse_spec({"dataset": _parquet(tmp_path / "e.parquet", recs), **spec})),
-                    "e.parquet row 17: 'question' must be a non-empty string")
+                    "e.parquet row 18: 'question' must be a non-empty string")
     recs = [{**r, "when": None} for r in _records(3)]
     recs[2]["when"] = datetime.datetime(2026, 1, 1)
     _one_line_error(lambda: job_rows(parse_spec({"dataset": _parquet(tmp_path / "ts.parquet", recs), **spec})),
-                    "ts.parquet row 2: column 'when' holds a datetime value")
+                    "ts.parquet row 3: column 'when' holds a datetime value")
 
 
 @pytest.mark.unit
@@ -163,9 +164,9 @@ def test_spec_validates_the_new_fields(tmp_path):
     s = parse_spec({"dataset": [{"question": "a", "solution": "b"}], **CUSTOM})
     assert (s.prompt_field, s.answer_field, s.tests_field, s.chat_template) == ("question", "solution", "tests", None)
     _one_line_error(lambda: parse_spec({"dataset": [{"prompt": "a", "solution": "b"}], **CUSTOM}),
-                    "dataset row 0 needs a non-empty string 'question'")
+                    "dataset row 1 needs a non-empty string 'question'")
     _one_line_error(lambda: parse_spec({"dataset": [{"question": "a", "answer": "b"}], **CUSTOM}),
-                    "row 0 needs an 'solution'")
+                    "row 1 needs an 'solution'")
     _one_line_error(lambda: parse_spec({"task": "sort", "prompt_field": ""}), "prompt_field")
     _one_line_error(lambda: parse_spec({"task": "sort", "prompt_field": "x", "answer_field": "x"}),
                     "must be different columns")
@@ -174,7 +175,7 @@ def test_spec_validates_the_new_fields(tmp_path):
                                                  "eval_dataset_split": "test"})),
                     "eval_dataset_split is only for a DatasetDict")
     rows = job_rows(parse_spec({"dataset": [{"question": "a", "solution": 1, "answer": "stale"}] * 2, **CUSTOM}))
-    assert rows[0] == [{"prompt": "a", "answer": 1}]  # the mapped column wins over a reserved name
+    assert [strip_ref(r) for r in rows[0]] == [{"prompt": "a", "answer": 1}]  # the mapped column wins
 
 
 class _Tok:
@@ -252,7 +253,8 @@ def test_submit_parquet_job_stores_mapped_rendered_rows(scratch_url, tmp_path):
     assert len(train) == 18 and len(held) == 2
     for r in train + held:
         assert r["prompt"] == f"<|user|>{r['raw_prompt']}\n<|assistant|>"
-        assert r["answer"] == int(r["raw_prompt"][1:]) * 10 and set(r) == {"prompt", "raw_prompt", "answer", "level"}
+        assert r["answer"] == int(r["raw_prompt"][1:]) * 10 and set(r) == {"prompt", "raw_prompt", "answer", "level",
+                                                                          ROW_REF}
     assert store.job(job.id).extra["chat_template"] == "applied"
     # the context check sees the rendered prompt: 20 template chars + a prompt of 100 > 128 - 8
     long_rows = [{"question": "x" * 100, "solution": 1}] * 3
@@ -260,6 +262,6 @@ def test_submit_parquet_job_stores_mapped_rendered_rows(scratch_url, tmp_path):
         Client(scratch_url).submit({"dataset": _parquet(tmp_path / "long.parquet", long_rows), **CUSTOM})
     bad = _records(20)
     bad[4] = {"solution": 1}
-    with pytest.raises(MarlaasError, match="data2.parquet row 4: 'question' is missing"):
+    with pytest.raises(MarlaasError, match="data2.parquet row 5: 'question' is missing"):
         Client(scratch_url).submit({"dataset": _parquet(tmp_path / "data2.parquet", bad), **CUSTOM})
     assert store.job_ids() == [job.id]  # the refused jobs stored nothing

@@ -15,7 +15,7 @@ import pytest
 from marlaas.errors import SpecError
 from marlaas.spec import JobSpec
 from marlaas.verify.graders import grade_group, grade_groups, parse_grader
-from marlaas.verify.job_scoring import FAIL_AFTER_GROUPS, score_job
+from marlaas.verify.job_scoring import score_job
 from tests.integration.test_api import err, serve, two  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.integration
@@ -83,8 +83,12 @@ def test_one_batch_for_several_groups_and_multi():
 ROWS = [{"prompt": f"p{i}", "answer": str(i)} for i in range(4)]
 
 
+FAIL_AFTER_GROUPS = 3
+
+
 def _job(st, grader: dict) -> tuple[str, JobSpec]:
-    spec = JobSpec(dataset=ROWS, grader=grader, steps=2, prompts_per_step=1, group_size=2, eval_size=1)
+    spec = JobSpec(dataset=ROWS, grader=grader, steps=2, prompts_per_step=1, group_size=2, eval_size=1,
+                   max_grader_error_groups=FAIL_AFTER_GROUPS)
     return st.create_job(spec, ROWS, ROWS[:1]), spec
 
 
@@ -97,7 +101,12 @@ def test_a_grader_failing_every_completion_fails_the_job(st):
     assert score_job(st, jid, spec, items) is None
     rec = st.job(jid)
     assert rec.status == "failed" and "broken grader" in rec.extra["error"]
+    assert "3 groups in a row (max_grader_error_groups 3)" in rec.extra["error"]
     assert int(rec.extra["verify_errors"]) == 2
+    # the tenant was warned first (at half the limit: 1 group), and the reason is one line
+    warnings = [n for n in st.notices(jid) if n["type"] == "warning"]
+    assert len(warnings) == 1 and "fails at 3" in warnings[0]["data"]["message"]
+    assert "\n" not in rec.extra["error"]
 
 
 def test_one_scored_completion_resets_the_streak(st):

@@ -91,7 +91,7 @@ def test_every_cost_has_a_quota_and_the_share_comes_from_the_plan(url):
         with pytest.raises(SpecError, match=match):
             c.submit(spec(**bad))
     big = [{"prompt": "x" * 300, "answer": "y"}] * 3
-    with pytest.raises(SpecError, match="row 0 has .* bytes > 200"):
+    with pytest.raises(SpecError, match="dataset row [0-9]+ has .* bytes > 200"):
         c.submit(JobSpec(dataset=big, steps=2, eval_size=1))
     many = [{"prompt": f"p{i}" * 10, "answer": "y"} for i in range(100)]
     with pytest.raises(SpecError, match="the dataset has .* bytes > 2000"):

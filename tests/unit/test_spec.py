@@ -31,7 +31,7 @@ def test_defaults_and_verifier_from_task():
         ({"task": "sort", "bogus": 1}, "bogus"),
         ({"task": "sort", "lora": {"rank": 0}}, "lora.rank"),
         ({"dataset": []}, "dataset is empty"),
-        ({"dataset": [{"answer": "x"}]}, "row 0 needs a non-empty string 'prompt'"),
+        ({"dataset": [{"answer": "x"}]}, "row 1 needs a non-empty string 'prompt'"),
         ({"dataset": "does/not/exist.jsonl"}, "dataset file not found"),
     ],
 )
@@ -68,7 +68,7 @@ def test_dataset_split_is_deterministic_and_checked(tmp_path):
     assert (tr1, ev1) == (tr2, ev2)
     assert len(ev1) == 3 and len(tr1) == 27
     assert not {r["prompt"] for r in ev1} & {r["prompt"] for r in tr1}
-    with pytest.raises(SpecError, match="row 0: the code verifier needs 'tests'"):
+    with pytest.raises(SpecError, match="row 1: the code verifier needs 'tests'"):
         job_rows(parse_spec({"dataset": rows, "verifier": "code"}))
 
 

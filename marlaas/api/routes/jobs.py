@@ -24,6 +24,7 @@ from marlaas.api.models import CheckpointList, EventPage, JobList, JobOut
 from marlaas.api.service import Service
 from marlaas.errors import MarlaasError, SpecError
 from marlaas.types import TERMINAL_STATUSES
+from marlaas.verify import evaluation
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 Svc = Depends(service)
@@ -101,8 +102,12 @@ def metrics(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
 
 @router.get("/{job_id}/evals")
 def evals(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
-    """{"evals": [one row per evaluated version, ascending, without outputs]}."""
-    return {"evals": svc.evals(p, job_id)}
+    """{"evals": [one row per evaluated version, ascending, without outputs]}: exact (share of held-out
+    prompts whose greedy completion gets full reward), mean_reward (greedy), pass_at ({k: pass@k on
+    full-reward samples}), grader_errors (held-out rows the grader could not score), and train_reward
+    (the mean training reward of the step that published the version) beside them."""
+    m = svc.metrics(p, job_id)
+    return {"evals": evaluation.table(m["evals"], m["steps"])}
 
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointList)
