@@ -61,7 +61,7 @@ def test_summarize_hand_values():
     # correct counts c = 1, 0, 4, 2 (the 0.5 partial credit is not a pass)
     samples = [[1, 0, 0, 0], [0, 0.5, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]]
     s = summarize(greedy, samples)
-    assert s["acc"] == 0.5 and s["n"] == 4 and s["k"] == 4
+    assert s["exact"] == s["acc"] == 0.5 and s["mean_reward"] == 0.5 and s["n"] == 4 and s["k"] == 4
     assert s["pass1_sampled"] == pytest.approx((0.25 + 0 + 1 + 0.5) / 4)          # 0.4375
     assert s["pass_at"]["2"] == pytest.approx((0.5 + 0 + 1 + (1 - 1 / 6)) / 4)     # 0.58333
     assert s["pass_at_k"] == s["pass_at"]["4"] == pytest.approx(0.75)
@@ -71,15 +71,16 @@ def test_summarize_hand_values():
 @pytest.mark.unit
 def test_summarize_greedy_only_and_bad_shapes():
     s = summarize([1.0, 0.0], None)
-    assert s == {"acc": 0.5, "n": 2, "k": 0, "pass1_sampled": None, "pass_at_k": None, "pass_at": {}}
+    assert s == {"exact": 0.5, "mean_reward": 0.5, "acc": 0.5, "n": 2, "k": 0, "pass1_sampled": None,
+                 "pass_at_k": None, "pass_at": {}, "grader_errors": 0}
     with pytest.raises(ValueError, match="sampled groups"):
         summarize([1.0, 0.0], [[1.0]])
     with pytest.raises(ValueError, match="same number"):
         summarize([1.0, 0.0], [[1.0], [1.0, 0.0]])
-    # an evaluation stored before pass@k existed reads as greedy only
+    # an evaluation stored before pass@k existed reads as greedy only; its acc was the mean reward
     assert table_row(3, {"acc": 0.25, "n": 4, "at": 1.0}) == {
-        "version": 3, "acc": 0.25, "pass1_sampled": None, "pass_at_k": None, "k": 0, "n": 4,
-        "pass_at": {}, "at": 1.0}
+        "version": 3, "exact": None, "mean_reward": 0.25, "pass1_sampled": None, "pass_at_k": None, "k": 0,
+        "n": 4, "pass_at": {}, "grader_errors": 0, "train_reward": None, "acc": None, "at": 1.0}
 
 
 # ------------------------------------------------------------------ unit: which versions
@@ -191,10 +192,11 @@ def test_verify_stores_pass_at_k_and_done_waits_for_every_evaluated_version(st):
         out = subprocess.run(CLI + ["eval", jid, "--json"], env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         rows = json.loads(out.stdout)
-        assert [(r["version"], r["acc"], r["pass_at_k"], r["k"], r["n"]) for r in rows] == [
-            (0, 0.0, 0.0, 4, 2), (2, 0.5, 0.5, 4, 2), (4, 1.0, 1.0, 4, 2)]
+        assert [(r["version"], r["exact"], r["mean_reward"], r["pass_at_k"], r["k"], r["n"]) for r in rows] == [
+            (0, 0.0, 0.0, 0.0, 4, 2), (2, 0.5, 0.5, 0.5, 4, 2), (4, 1.0, 1.0, 1.0, 4, 2)]
         table = subprocess.run(CLI + ["eval", jid], env={**env, "COLUMNS": "200"}, capture_output=True, text=True)
-        assert table.returncode == 0 and "pass@4" in table.stdout and "pass@1 greedy" in table.stdout
+        assert table.returncode == 0 and "pass@4" in table.stdout and "exact" in table.stdout \
+            and "mean reward" in table.stdout
         missing = subprocess.run(CLI + ["eval", "j999"], env=env, capture_output=True, text=True)
         assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "j999" in missing.stderr
 

@@ -51,5 +51,5 @@ def test_an_endless_grader_ends_its_job(worker_stack):
     final = Client().submit(_spec(loop, steps=4)).wait(timeout=900)
     assert final["status"] in ("failed", "done"), final
     assert final["verify_errors"] > 0
-    if final["status"] == "failed":
-        assert "groups in a row" in final["error"]
+    if final["status"] == "failed":  # every group, or more than half of an evaluation's rows
+        assert "groups in a row" in final["error"] or "held-out rows" in final["error"], final["error"]

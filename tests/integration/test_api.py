@@ -194,7 +194,8 @@ def test_submit_read_and_progress(two, st, tmp_path):
     at = time.time()
     st.publish(jid, 0, AdapterBlob(config={"r": 4, "peft_type": "LORA"}, weights=b"w1"), b"o",
                {"step": 1, "reward_mean": 0.5, "staleness": [0, 1], "at": at}, "tok", [0, 1], 2)
-    st.put_eval_result(jid, 0, {"acc": 0.25, "n": 2, "k": 0, "at": at + 0.001, "outputs": []})
+    st.put_eval_result(jid, 0, {"exact": 0.25, "mean_reward": 0.25, "acc": 0.25, "n": 2, "k": 0, "at": at + 0.001,
+                                "outputs": []})
     st.record_event("train", at - 1, at + 0.002, [jid, "j999"], "train@host")
     got = c["alice"].get(f"/v1/jobs/{jid}").json()
     assert (got["version"], got["reward_mean"], got["staleness"], got["base_acc"]) == (1, 0.5, 1, 0.25)

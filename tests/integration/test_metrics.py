@@ -119,12 +119,12 @@ def build_state(st: Store, now: float) -> dict[str, str]:
         spec = JobSpec(tenant=tenant, task="sort", steps=steps, prompts_per_step=2, group_size=4,
                        max_staleness=2, eval_size=2)
         jid = st.create_job(spec, rows, rows[:2])
-        st.put_eval_result(jid, 0, {"acc": 0.25, "n": 4, "at": now - 50})
+        st.put_eval_result(jid, 0, {"exact": 0.25, "mean_reward": 0.25, "acc": 0.25, "n": 4, "at": now - 50})
         for t in range(steps):
             m = {"loss": 0.1 * t, "step": t + 1, "reward_mean": 0.2 + 0.1 * t + (0.05 if tenant == "bob" else 0),
                  "staleness": [min(t, 2), 0], "train_s": 0.5, "at": now - 40 + t}
             assert st.publish(jid, t, AdapterBlob(config={"r": 1}, weights=b"w"), b"o", m, "tok", [], steps)
-        st.put_eval_result(jid, steps, {"acc": 0.75, "n": 4, "at": now - 30})
+        st.put_eval_result(jid, steps, {"exact": 0.75, "mean_reward": 0.75, "acc": 0.75, "n": 4, "at": now - 30})
         ids[tenant] = jid
     st.set_status(ids["alice"], "done")
     st.incr_field(ids["bob"], "regenerated", 2)

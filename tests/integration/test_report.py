@@ -26,15 +26,15 @@ def build_jobs(st: Store) -> dict[str, str]:
         spec = JobSpec(tenant=tenant, task="sort", steps=steps, prompts_per_step=2, group_size=4,
                        max_staleness=k, eval_size=2)
         jid = st.create_job(spec, rows, rows[:2])
-        st.put_eval_result(jid, 0, {"acc": 0.25, "n": 4, "at": now})
+        st.put_eval_result(jid, 0, {"exact": 0.25, "mean_reward": 0.25, "acc": 0.25, "n": 4, "at": now})
         for t in range(steps):
             m = {"loss": 0.5, "step": t + 1, "reward_mean": 0.1 * t + 0.05 * k, "staleness": [min(t, k), 0],
                  "train_s": 0.2, "at": now + t}
             assert st.publish(jid, t, AdapterBlob(config={"r": 1}, weights=b"w"), b"o", m, "tok", [], steps)
             if t == 1:
-                st.put_eval_result(jid, 2, {"acc": 0.5, "n": 4, "at": now + t})
+                st.put_eval_result(jid, 2, {"exact": 0.5, "mean_reward": 0.5, "acc": 0.5, "n": 4, "at": now + t})
         if tenant != "carol":
-            st.put_eval_result(jid, steps, {"acc": 0.75, "n": 4, "at": now + steps})
+            st.put_eval_result(jid, steps, {"exact": 0.75, "mean_reward": 0.75, "acc": 0.75, "n": 4, "at": now + steps})
             st.set_status(jid, "done")
         ids[tenant] = jid
     st.incr_field(ids["bob"], "regenerated", 4)
@@ -57,9 +57,11 @@ def test_write_report_writes_png_and_self_contained_html(st, tmp_path):
     m = re.search(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', text)
     assert m and base64.b64decode(m.group(1)) == data  # the page embeds the very same figure
     assert "src=\"http" not in text and "<link" not in text  # nothing to fetch
-    # bob: steps 4/4, base 0.25, final 0.75, 4 regenerated; carol still evaluating: no final accuracy
-    assert re.search(r"<td>4/4</td><td>0.25</td><td>0.75</td><td>4</td>", text)
-    assert re.search(r"<td>5/5</td><td>0.25</td><td>–</td><td>0</td>", text)
+    # bob: steps 4/4, base exact 0.25, final 0.75 (mean reward the same), 4 regenerated; carol still
+    # evaluating: no final figures
+    assert re.search(r"<td>4/4</td><td>0.25</td><td>0.75</td><td>0.25</td><td>0.75</td><td>4</td><td>0 / 0</td>",
+                     text)
+    assert re.search(r"<td>5/5</td><td>0.25</td><td>–</td><td>0.25</td><td>–</td><td>0</td>", text)
 
 
 @pytest.mark.integration
