@@ -250,8 +250,9 @@ class JobSpec(BaseModel):
     eval_every: int = Field(0, ge=0, le=100_000)
     """K: also evaluate every K-th published version (K, 2K, ...); 0 = only at version 0 and the end."""
     eval_k: int = Field(8, ge=0, le=256)
-    """Completions sampled per held-out prompt for the unbiased pass@k (k = 1, 2, 4, ..., eval_k);
-    0 = greedy pass@1 only."""
+    """Completions sampled per held-out prompt for the unbiased pass@k on full-reward samples (k = 1,
+    2, 4, ..., eval_k); 0 = the greedy figures only (exact, mean_reward). Each evaluation generates
+    eval_size x (1 + eval_k) completions: keep it small on a CPU."""
     eval_temperature: float | None = Field(None, gt=0, le=5.0)
     """Sampling temperature of the pass@k completions; None = the job's `temperature`."""
     base_model: str | None = None
