@@ -2,9 +2,10 @@
 
 Idempotent and Celery-free (tasks/train.py wraps it): a duplicate train is a no-op because publishing
 is a compare-and-set on the version. A group missing, unverified or past the job's staleness bound is
-regenerated, never trained on. The trainer lane is not this module's: the caller holds and releases it
-(`tasks.train.trainer_lane`); a skip returns its reason, and the publish script frees the lease it
-names as part of the atomic publish.
+regenerated, never trained on. A job whose first `no_signal_steps` steps have no signal (every
+group's rewards equal) is warned, and stopped if its spec says so (`no_signal_check`). The trainer
+lane is not this module's: the caller holds and releases it (`tasks.train.trainer_lane`); a skip
+returns its reason, and the publish script frees the lease it names as part of the atomic publish.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from marlaas import families
 from marlaas.control import scheduler
 from marlaas.store import Store
 from marlaas.types import AdapterRef, JobStatus
+from marlaas.verify import preflight
 
 
 def train_batch(spec, t: int, rolls: list[dict]) -> tuple[list, list[float], list[int]]:
@@ -39,6 +41,29 @@ def train_batch(spec, t: int, rolls: list[dict]) -> tuple[list, list[float], lis
     return samples, rewards_all, staleness
 
 
+def no_signal_check(store: Store, jid: str, spec, t: int, groups: list[list[float]]) -> str | None:
+    """The first `spec.no_signal_steps` (K) steps' signal: a step with a group whose rewards differ is
+    counted (job field `signal_steps`); at step K (t = K - 1) with none so far, the job gets the
+    preflight's verdict as a warning event (once), and with `stop_without_signal` it fails with it:
+    returns that reason, else None."""
+    k = min(spec.no_signal_steps, spec.steps)
+    if not k or t >= k:
+        return None
+    if any(preflight.has_signal(g) for g in groups):
+        store.incr_field(jid, "signal_steps")
+        return None
+    if t < k - 1 or int(store.job_fields(jid, "signal_steps")[0] or 0) > 0:
+        return None
+    msg = f"no signal in the first {k} steps: {preflight.summarize(groups)['verdict']}"
+    if store.incr_field(jid, "no_signal_warned") == 1:
+        store.add_notice(jid, "warning", {"message": msg, "step": t + 1})
+    if spec.stop_without_signal:
+        reason = msg + " (stop_without_signal)"
+        store.set_status(jid, "failed", reason)
+        return reason
+    return None
+
+
 def run_train(store: Store, engine, jid: str, t: int, token: str) -> dict:
     """One policy-gradient step of job `jid` at version t on `engine`; publishes t+1 exactly once (under
     the trainer lease `token`). Returns the step's metrics, or {"skipped": why}."""
@@ -58,6 +83,11 @@ def run_train(store: Store, engine, jid: str, t: int, token: str) -> dict:
             store.invalidate_group(jid, g)
         return {"skipped": f"groups {bad} missing, unverified or too stale: regenerating"}
 
+    if spec.preflight:
+        return {"skipped": "a preflight is never trained"}
+    stop = no_signal_check(store, jid, spec, t, [r["rewards"]["rewards"] for r in rolls])
+    if stop is not None:
+        return {"skipped": stop}
     samples, rewards_all, staleness = train_batch(spec, t, rolls)
     state = None
     if t > 0:

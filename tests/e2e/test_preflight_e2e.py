@@ -1,7 +1,8 @@
 """End to end through the HTTP API on the test base: a preflight (`"preflight": true`) runs on the real
 stations (the scheduler dispatches its groups at version 0, generate samples the base, verify scores
 them with the job's grader, the tick ends it with its summary) and answers without training; a task
-whose grader never rewards is flagged as having no signal."""
+whose grader never rewards is flagged as having no signal. A real job without signal in its first
+steps gets the warning as an event, and stops when its spec says so."""
 
 import httpx
 import pytest
@@ -72,3 +73,19 @@ def test_preflight_past_its_wait_is_202_then_polled(worker_stack):
     final = Client().job(jid).wait(timeout=300)
     assert final["status"] == "done" and final["preflight"]["prompts"] == 4, final
 
+
+def test_a_job_without_signal_is_warned_and_stopped_if_asked(worker_stack):
+    c = Client()
+    stop = c.submit(_spec(NEVER, steps=6, no_signal_steps=2, stop_without_signal=True))
+    warn = c.submit(_spec(NEVER, steps=3, no_signal_steps=2, eval_size=2))
+    st = stop.wait(timeout=600)
+    assert st["status"] == "failed" and st["version"] < 6, st
+    assert st["error"].startswith("no signal in the first 2 steps: no group has any signal"), st["error"]
+    assert "stop_without_signal" in st["error"]
+    st = warn.wait(timeout=600)
+    assert st["status"] == "done" and st["version"] == 3, st  # warned, not stopped
+    for job in (stop, warn):
+        events = job.events(limit=10_000)["events"]
+        warnings = [e["data"] for e in events if e["type"] == "warning"]
+        assert len(warnings) == 1 and warnings[0]["step"] == 2, events
+        assert "no signal in the first 2 steps" in warnings[0]["message"]
