@@ -157,7 +157,17 @@ class GenRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     """Stop strings: a completion also ends at any of them (kept in its tokens and text; `finished`
-    stays False). Each must be one token of the tokenizer (both engines stop on token ids)."""
+    stays False). A string that is one token of the tokenizer stops at that token; a longer one as soon
+    as the decoded completion contains it (it may span tokens)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Stop token ids: a completion also ends at any of them (kept; `finished` stays False)."""
+    prompt_ids: list[int] | None = None
+    """The prompt as token ids, fed to the model as they are (no decode -> encode round trip, so any
+    token sequence is served exactly); `prompt` is then only its text for display."""
+    top_k: int = 0
+    """Sample from the k most likely tokens only; 0 (or -1) samples from all."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens with this much probability; 1.0 is all."""
 
 
 @dataclass

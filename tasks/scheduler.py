@@ -8,8 +8,8 @@ from tasks.common import send, store, tick_config
 
 @app.task(name="marlaas.tick", ignore_result=True, acks_late=False)
 def tick() -> dict:
-    tinker.dispatch()  # pending Tinker protocol work -> train / generate messages
     plan = dispatch.tick(store(), send, tick_config())
+    tinker.dispatch(joining=bool(plan and plan.gen_batches))  # pending samples ride those, else their own task
     if plan is None:
         return {"skipped": "another tick holds the lock"}
     return {

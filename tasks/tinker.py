@@ -1,9 +1,10 @@
 """Tinker protocol tasks: thin glue over marlaas.train.tinker_ops and marlaas.generate.tinker_sample.
 
 `marlaas.tinker_train(model)` runs on the train queue (the single trainer process, so Tinker ops and job
-steps never run at once); `marlaas.tinker_sample(request ids)` runs on the generate queue with the
-generate worker's engine. `dispatch()` is called by every scheduler tick: it moves the store's pending
-Tinker work into Celery messages (each pending item is taken once, atomically).
+steps never run at once); sample requests ride in the generate tasks' engine calls, or, when no generate
+batch goes out, in a `marlaas.tinker_sample(request ids)` task (both in tasks/generate.py, with the
+generate worker's engine). `dispatch()` is called by every scheduler tick: it moves the store's pending
+samples into a Celery message (each pending item is taken once, atomically).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from functools import lru_cache
 
 from marlaas.store.tinker import TinkerStore
 from tasks.app import app
-from tasks.common import kick, send, station_event, store
+from tasks.common import send, station_event, store
 
 
 @lru_cache(maxsize=1)
@@ -20,9 +21,14 @@ def tinker_store() -> TinkerStore:
     return TinkerStore(store())
 
 
-def dispatch() -> int:
-    """Send one generate task for the pending samples. Training ops wait for the trainer lane: the
-    scheduler tick gives it to a model in the same weighted round-robin as job steps."""
+def dispatch(joining: bool = False) -> int:
+    """Send one generate task for the pending samples, unless `joining`: the tick just sent generate
+    batches, whose tasks take the pending samples into their engine calls (`tasks.generate.generate`);
+    what they leave is sent by a later tick. Each sample is taken from the store atomically, so exactly
+    one task serves it. Training ops wait for the trainer lane: the scheduler tick gives it to a model
+    in the same weighted round-robin as job steps."""
+    if joining:
+        return 0
     samples = tinker_store().take_samples()
     if samples:
         send([("marlaas.tinker_sample", [samples])])
@@ -46,14 +52,3 @@ def tinker_train(model_id: str, token: str) -> dict:
             ts.mark_pending(model_id)
         tick_here()
     return {"ops": n}
-
-
-@app.task(name="marlaas.tinker_sample", ignore_result=True)
-def tinker_sample(request_ids: list[str]) -> dict:
-    from marlaas.generate.tinker_sample import run_samples
-    from tasks.generate import engine
-
-    with station_event("generate", [], tinker=len(request_ids)):
-        n = run_samples(tinker_store(), engine(), request_ids)
-    kick()
-    return {"samples": n}

@@ -17,15 +17,20 @@ Contract, common to both:
   `Completion.text` is the decoded completion without EOS and special tokens. A completion cut by
   `max_new_tokens` has `finished=False`.
 - `Completion.logprobs[i]` is the log-probability of `token_ids[i]` under the distribution sampled
-  from: log_softmax(logits / temperature), or log_softmax(logits) for greedy rows. No top-k/top-p is
-  ever applied.
+  from: log_softmax(logits / temperature), or log_softmax(logits) for greedy rows; a request's top_k /
+  top_p (off by default: no truncation unless asked) renormalise it over the tokens they keep.
+- A request's `prompt_ids` are fed as they are (no decode -> encode); else `prompt` is tokenized.
+- Stops (`StopMatcher`): EOS finishes a completion (`finished=True`); a request's stop token ids and
+  stop strings end it without finishing it (one-token strings as ids, longer ones on the decoded text,
+  so a string may span tokens); the stop stays in `token_ids` and `text`.
 - Adapters are fetched lazily through `adapter_source(ref) -> AdapterBlob` on the first request that
   uses a ref, kept in an LRU of `max_adapters` versions, and `serves(ref)` says whether that version
   is loaded in the engine right now (vLLM: checked against the engine's own list of LoRA ids).
   `adapter=None` is served by the base model.
-- `prompt_logprobs(ref, tokens)`: log p(token_i | tokens_<i) under an adapter (None = base), None at
-  position 0 (Tinker's prompt logprobs). The HF engine computes them with one forward; an engine
-  that cannot (vLLM here) raises `SampleError`, a one-line MarlaasError the Tinker door reports.
+- `prompt_logprobs(ref, tokens, last_n)`: log p(token_i | tokens_<i) under an adapter (None = base),
+  None at position 0 and, with `last_n`, before the last n positions (Tinker's prompt logprobs). The
+  HF engine computes them with one forward; an engine that cannot (vLLM here) raises `SampleError`, a
+  one-line MarlaasError the Tinker door reports.
 - Each engine honours a `threads` budget (several worker processes share few cores).
 - `max_lora_rank`: the largest LoRA rank the engine serves (the HF engine: its constructor's
   `max_lora_rank`, any value; vLLM: the engine's own configured max_lora_rank, one of vLLM's ranks). A
@@ -90,8 +95,10 @@ class GenerationEngine(ABC):
         """The adapter versions currently cached, least recently used first."""
         return []
 
-    def prompt_logprobs(self, ref: AdapterRef | None, tokens: list[int]) -> list[float | None]:
-        """log p(token_i | tokens_<i) under adapter `ref` (None = base); None at position 0."""
+    def prompt_logprobs(self, ref: AdapterRef | None, tokens: list[int],
+                        last_n: int | None = None) -> list[float | None]:
+        """log p(token_i | tokens_<i) under adapter `ref` (None = base); None at position 0 and, with
+        `last_n`, at every position before the last `last_n`."""
         raise SampleError(f"prompt logprobs are not supported by the {self.kind} engine: serve them with the hf engine")
 
     def __enter__(self):
@@ -140,15 +147,63 @@ def group_requests_by_adapter_budget(requests: list[GenRequest], max_adapters: i
         yield chunk
 
 
-def stop_token_ids(tokenizer, stop: tuple[str, ...] | list[str]) -> list[int]:
-    """The token id of each stop string; ValueError when one is not exactly one token."""
-    out = []
-    for s in stop:
-        ids = tokenizer(s, add_special_tokens=False)["input_ids"]
-        if len(ids) != 1 or ids[0] == tokenizer.unk_token_id:
-            raise ValueError(f"stop string {s!r} is not one token of this tokenizer")
-        out.append(ids[0])
-    return out
+class StopMatcher:
+    """Where a completion ends on its request's stop token ids and stop strings.
+
+    A stop string that is exactly one token of the tokenizer is matched as that token id (cheap, and
+    exact for the built-in character tokenizer); a longer one on the decoded text: the completion ends
+    at the first token whose text completes it. Only the last few tokens are decoded at each check
+    (`window`: every token decodes to at least one character here, so a string of L characters ends
+    within the last L + 2 tokens).
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] | list[str] = (), stop_ids: tuple[int, ...] | list[int] = ()):
+        self.tokenizer = tokenizer
+        ids, strs = set(int(t) for t in stop_ids), []
+        for s in stop:
+            if not s:
+                raise ValueError("a stop string must not be empty")
+            tok = tokenizer(s, add_special_tokens=False)["input_ids"]
+            if len(tok) == 1 and tok[0] != tokenizer.unk_token_id:
+                ids.add(int(tok[0]))
+            else:
+                strs.append(s)
+        self.ids = frozenset(ids)
+        self.strs = tuple(strs)
+        self.window = max(map(len, strs)) + 2 if strs else 0
+
+    def __bool__(self) -> bool:
+        return bool(self.ids or self.strs)
+
+    def hit(self, toks: list[int]) -> bool:
+        """Whether a completion whose tokens so far are `toks` ends at its last token."""
+        if not toks:
+            return False
+        if toks[-1] in self.ids:
+            return True
+        if self.strs:
+            tail = self.tokenizer.decode(toks[-self.window:])
+            return any(s in tail for s in self.strs)
+        return False
+
+    def end(self, toks: list[int]) -> int | None:
+        """The length of the completion cut at its first stop (the stop kept), None if it has none."""
+        if not self:
+            return None
+        for j in range(len(toks)):
+            if toks[j] in self.ids or (self.strs and self.hit(toks[:j + 1])):
+                return j + 1
+        return None
+
+
+def completion_end(toks: list[int], eos: set[int] | frozenset[int], stops: StopMatcher) -> tuple[int, bool]:
+    """(length, finished) of a sampled row cut at its first EOS (kept, finished) or, before it, at
+    its first stop (kept, not finished); uncut rows are not finished (max_new_tokens)."""
+    eos_at = next((j for j, t in enumerate(toks) if t in eos), None)
+    stop = stops.end(toks if eos_at is None else toks[:eos_at])
+    if stop is not None:
+        return stop, False
+    return (len(toks), False) if eos_at is None else (eos_at + 1, True)
 
 
 def validate_requests(requests: list[GenRequest]) -> None:
@@ -159,6 +214,10 @@ def validate_requests(requests: list[GenRequest]) -> None:
             raise ValueError(f"request {r.key!r}: max_new_tokens must be >= 1")
         if not r.greedy and not r.temperature > 0:
             raise ValueError(f"request {r.key!r}: temperature must be > 0 unless greedy")
+        if r.top_k < -1 or not 0 < r.top_p <= 1:
+            raise ValueError(f"request {r.key!r}: top_k must be >= -1 and top_p in (0, 1]")
+        if r.prompt_ids is not None and not r.prompt_ids:
+            raise ValueError(f"request {r.key!r}: prompt_ids must not be empty")
 
 
 def eos_token_ids(tokenizer, generation_config=None) -> list[int]:

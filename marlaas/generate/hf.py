@@ -5,9 +5,11 @@ a PeftModel that holds up to `max_adapters` adapter versions. A job's new versio
 place into the slot of its previous version (same LoRA shape), or once the cache is full into the
 least recently used slot, instead of PEFT's add/delete, whose cost grows with the adapters
 registered (`_ensure`; `load(ref)` loads one ahead of a call).
-Requests are grouped by (temperature, max_new_tokens, greedy, stop); each group is one `generate`
-call over all its rows (each request's prompt repeated `n` times, left-padded; the group's stop
-tokens act as extra EOS ids, but only EOS marks a completion `finished`):
+Requests are grouped by (temperature, max_new_tokens, greedy, top_k, top_p); each group is one
+`generate` call over all its rows (each request's prompt, its `prompt_ids` as given or its text
+tokenized, repeated `n` times, left-padded). Stops are per row (`_RowStops`, a transformers
+StoppingCriteria over each request's `StopMatcher`): a row ends at its own stop token ids and stop
+strings (multi-token strings on the decoded tail); only EOS marks a completion `finished`:
 
 - every row on one adapter: the stacked path below with one adapter (PEFT's `set_adapter` walks
   every registered adapter, a cost that grows with the cache: docs/performance.md); `set_adapter` with
@@ -20,9 +22,11 @@ tokens act as extra EOS ids, but only EOS marks a completion `finished`):
   when such a call raises, so every failure purges them (`_purge_row_hooks`).
 
 Log-probs are `log_softmax` of the scores the sampler actually used (transformers' processed
-scores: logits / temperature when sampling, raw logits when greedy); top-k and top-p are disabled
+scores: logits / temperature when sampling, then the request's top-k / top-p, which set the cut
+tokens to -inf; raw logits when greedy); top-k and top-p are off unless a request asks, set
 explicitly so a model's generation_config defaults (e.g. top_k=50) never apply.
-`prompt_logprobs(ref, tokens)` (Tinker's prompt logprobs) is one forward on the same adapter paths.
+`prompt_logprobs(ref, tokens, last_n)` (Tinker's prompt logprobs) is one forward on the same adapter
+paths.
 
 Seeds: if any request of a group carries a seed, the group samples under a forked torch RNG seeded
 with a value derived from all seeds of that group (in order) and the group's settings, so the same
@@ -42,12 +46,13 @@ from marlaas.adapters import lora_config_from_dict
 from marlaas.generate.engine import (
     AdapterSource,
     GenerationEngine,
+    StopMatcher,
     check_rank,
+    completion_end,
     eos_token_ids,
     group_requests_by_adapter_budget,
     load_tokenizer,
     safe_adapter_name,
-    stop_token_ids,
     validate_requests,
 )
 from marlaas.generate.stacked_lora import StackedLoRAUnsupported, base_only, stacked_lora
@@ -85,6 +90,29 @@ def _derive_seed(seeds: list[int], salt: tuple) -> int:
     for v in (*seeds, *[hash(x) & 0xFFFFFFFF for x in salt]):
         h = ((h ^ (int(v) & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
     return h & 0x7FFFFFFFFFFFFFFF
+
+
+class _RowStops:
+    """A transformers StoppingCriteria: row i is done once its request's `StopMatcher` hits (stop token
+    ids, or a stop string on the decoded tail of the row's generated tokens). Rows without stops are
+    never checked."""
+
+    def __init__(self, matchers: list[StopMatcher], prompt_len: int):
+        self.matchers, self.prompt_len = matchers, prompt_len
+        self.rows = [i for i, m in enumerate(matchers) if m]
+        self.window = max([m.window for m in matchers] + [1])
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        gen = input_ids[:, self.prompt_len:]
+        if gen.shape[1] == 0:
+            return done
+        tails = gen[self.rows, -self.window:].tolist()
+        for i, tail in zip(self.rows, tails):
+            done[i] = self.matchers[i].hit(tail)
+        return done
 
 
 class HFEngine(GenerationEngine):
@@ -232,10 +260,17 @@ class HFEngine(GenerationEngine):
                 dest.copy_(tensor)
         return True
 
-    def prompt_logprobs(self, ref: AdapterRef | None, tokens: list[int]) -> list[float | None]:
+    def prompt_logprobs(self, ref: AdapterRef | None, tokens: list[int],
+                        last_n: int | None = None) -> list[float | None]:
         """log p(token_i | tokens_<i) under adapter `ref` (None = base), by one forward with the
-        generation paths' own adapter switching; None at position 0."""
+        generation paths' own adapter switching; None at position 0 and, with `last_n`, before the
+        last `last_n` positions (only those are scored)."""
         import torch
+
+        n = len(tokens) - 1 if last_n is None else int(last_n)
+        if not 1 <= n <= len(tokens) - 1:
+            raise ValueError(f"prompt_logprobs_last_n must be in 1..{len(tokens) - 1} (the prompt has "
+                             f"{len(tokens)} tokens), got {last_n}")
 
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
         with torch.inference_mode():
@@ -248,8 +283,9 @@ class HFEngine(GenerationEngine):
                 name = self._ensure(ref)
                 with stacked_lora(self.peft, [name], BASE, list(self._layers().values())):
                     logits = self.peft(input_ids=ids).logits
-            lp = torch.log_softmax(logits[0, :-1].float(), dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
-        return [None, *lp.tolist()]
+            scored = logits[0, -n - 1:-1].float()  # the positions predicting the last n tokens
+            lp = torch.log_softmax(scored, dim=-1).gather(-1, ids[0, -n:].unsqueeze(-1)).squeeze(-1)
+        return [None] * (len(tokens) - n) + lp.tolist()
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -265,56 +301,66 @@ class HFEngine(GenerationEngine):
                 if ref is not None and ref not in names:
                     names[ref] = self._ensure(ref, keep)
             groups: dict[tuple, list[int]] = {}
+            matchers = {i: StopMatcher(self.tokenizer, requests[i].stop, requests[i].stop_token_ids) for i in chunk}
             for i in chunk:
                 r = requests[i]
-                key = (True, 1.0, r.max_new_tokens) if r.greedy else (False, float(r.temperature), r.max_new_tokens)
-                groups.setdefault((*key, tuple(r.stop)), []).append(i)
-            for (greedy, temperature, max_new, stop), idxs in groups.items():
-                stop_ids = stop_token_ids(self.tokenizer, stop)
+                key = (True, 1.0, r.max_new_tokens, 0, 1.0) if r.greedy else \
+                    (False, float(r.temperature), r.max_new_tokens, max(0, int(r.top_k)), float(r.top_p))
+                groups.setdefault(key, []).append(i)
+            for key, idxs in groups.items():
                 # Keep each call under max_rows_per_call rows (whole requests only).
                 batch: list[int] = []
                 rows = 0
                 for i in idxs:
                     if batch and rows + requests[i].n > self.max_rows_per_call:
-                        self._run_group(requests, batch, names, greedy, temperature, max_new, ignore_eos, results,
-                                        stop_ids)
+                        self._run_group(requests, batch, names, key, ignore_eos, results, matchers)
                         batch, rows = [], 0
                     batch.append(i)
                     rows += requests[i].n
                 if batch:
-                    self._run_group(requests, batch, names, greedy, temperature, max_new, ignore_eos, results,
-                                    stop_ids)
+                    self._run_group(requests, batch, names, key, ignore_eos, results, matchers)
         return results  # type: ignore[return-value]
 
-    def _run_group(self, requests, idxs, names, greedy, temperature, max_new, ignore_eos, results,
-                   stop_ids=()) -> None:
-        import torch
-        from transformers import GenerationConfig
+    def _prompt_ids(self, r: GenRequest) -> list[int]:
+        return list(r.prompt_ids) if r.prompt_ids is not None else self.tokenizer(r.prompt)["input_ids"]
 
-        prompts: list[str] = []
+    def _run_group(self, requests, idxs, names, key, ignore_eos, results, matchers) -> None:
+        import torch
+        from transformers import GenerationConfig, StoppingCriteriaList
+
+        greedy, temperature, max_new, top_k, top_p = key
+        prompts: list[list[int]] = []
         row_adapters: list[str] = []
+        row_stops: list[StopMatcher] = []
         for i in idxs:
             r = requests[i]
             name = BASE if r.adapter is None else names[r.adapter]
-            prompts.extend([r.prompt] * r.n)
+            prompts.extend([self._prompt_ids(r)] * r.n)
             row_adapters.extend([name] * r.n)
-        enc = self.tokenizer(prompts, return_tensors="pt", padding=True).to(self.device)
-        # Unset fields get transformers' global defaults (top_k=50!), so truncation is switched off
-        # explicitly (top_k=0, top_p=1.0); greedy leaves the sampling-only fields alone (no warnings).
-        sampling = {} if greedy else dict(temperature=temperature, top_k=0, top_p=1.0, min_p=None, typical_p=1.0)
+            row_stops.extend([matchers[i]] * r.n)
+        width = max(map(len, prompts))
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=self.device)
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long,
+                                 device=self.device)
+        # Unset fields get transformers' global defaults (top_k=50!), so truncation is set explicitly
+        # (top_k=0, top_p=1.0: off unless asked); greedy leaves the sampling-only fields alone.
+        sampling = {} if greedy else dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=None,
+                                          typical_p=1.0)
         gc = GenerationConfig(
             do_sample=not greedy,
             **sampling,
             repetition_penalty=1.0,
             max_new_tokens=max_new,
             num_beams=1,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=None if ignore_eos and not stop_ids else
-            [*([] if ignore_eos else self.eos_ids), *stop_ids],
+            pad_token_id=pad,
+            eos_token_id=None if ignore_eos else list(self.eos_ids),
             return_dict_in_generate=True,
             output_scores=True,
         )
-        kwargs = dict(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], generation_config=gc)
+        kwargs = dict(input_ids=input_ids, attention_mask=attention, generation_config=gc)
+        if any(row_stops):
+            kwargs["stopping_criteria"] = StoppingCriteriaList([_RowStops(row_stops, width)])
         seeds = [requests[i].seed for i in idxs if requests[i].seed is not None]
         distinct = set(row_adapters)
 
@@ -346,13 +392,11 @@ class HFEngine(GenerationEngine):
                     out = call()
             else:
                 out = call()
-            prompt_len = enc["input_ids"].shape[1]
-            gen = out.sequences[:, prompt_len:]
+            gen = out.sequences[:, width:]
             scores = torch.stack(out.scores, dim=1).float()  # [rows, steps, vocab], processed
             logp = torch.log_softmax(scores, dim=-1).gather(-1, gen.unsqueeze(-1)).squeeze(-1)
 
         eos = set() if ignore_eos else set(self.eos_ids)
-        ends = eos | set(stop_ids)
         gen_l = gen.tolist()
         logp_l = logp.tolist()
         row = 0
@@ -361,11 +405,7 @@ class HFEngine(GenerationEngine):
             comps = []
             for _ in range(r.n):
                 toks, lps = gen_l[row], logp_l[row]
-                end, finished = len(toks), False
-                for j, t in enumerate(toks):
-                    if t in ends:  # EOS finishes the completion; a stop token only ends it
-                        end, finished = j + 1, t in eos
-                        break
+                end, finished = completion_end(toks, eos, matchers[i])
                 toks, lps = toks[:end], lps[:end]
                 body = toks[:-1] if finished else toks
                 text = self.tokenizer.decode(body, skip_special_tokens=True)

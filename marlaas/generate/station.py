@@ -4,6 +4,9 @@ Idempotent and Celery-free (tasks/generate.py wraps it): a duplicate generate ov
 fresh attempt (rewards of the old attempt are then refused). One job's failure never stops the
 others in its batch: `run_generate_isolated` retries job by job and charges only the failing job.
 
+Tinker sample requests taken by the same task (`marlaas.generate.tinker_sample.SampleBatch`) ride in the
+jobs' engine call: one `engine.generate` over the jobs' requests and theirs.
+
 Work in, work out, in the one vocabulary of marlaas.types: GEN, CONT and EVAL items come in; VER and
 EVALVER items (the same kinds the leases name) come out, and `verify_messages` turns them into the
 verify station's messages. Settings come in as arguments (`tool_url`), read by the process edge.
@@ -15,6 +18,7 @@ import logging
 from dataclasses import dataclass, field
 
 from marlaas import families
+from marlaas.generate.tinker_sample import SampleBatch
 from marlaas.store import Store
 from marlaas.tools import agentic, episodes
 from marlaas.types import (
@@ -144,14 +148,22 @@ def _store_results(store: Store, batch: _Batch, results: list[GenResult]) -> lis
 
 
 def run_generate(store: Store, engine, items: list[WorkItem] | list[list],
-                 tool_url: str = agentic.DEFAULT_TOOL_URL) -> list[WorkItem]:
+                 tool_url: str = agentic.DEFAULT_TOOL_URL, samples: SampleBatch | None = None) -> list[WorkItem]:
     """Sample every item of a mixed-tenant batch in one engine call; store rollouts. Returns the
     VER / EVALVER items to verify next. `items`: WorkItems or their wire form [kind, job, idx];
-    `tool_url`: the tool server evaluation episodes call (Settings.tool_url, passed by the edge)."""
+    `tool_url`: the tool server evaluation episodes call (Settings.tool_url, passed by the edge);
+    `samples`: Tinker sample requests that ride in the same engine call (their futures are written
+    as soon as the call returns, `SampleBatch.finish`)."""
     batch = _requests(store, engine, [WorkItem.of(it) for it in items])
+    extra = samples.requests if samples is not None and not samples.done else []
+    if not batch.requests and not extra:
+        return []
+    results = engine.generate(batch.requests + extra)
+    if extra:
+        samples.finish(results[len(batch.requests):])
+        results = results[:len(batch.requests)]
     if not batch.requests:
         return []
-    results = engine.generate(batch.requests)
     # Evaluation episodes run their tool calls here (blocking; see marlaas.tools.agentic).
     results = agentic.finish_eval_episodes(engine, batch.requests, results, tool_url)
     served = {r.adapter: engine.serves(r.adapter) for r in batch.requests if r.adapter is not None}
@@ -161,19 +173,35 @@ def run_generate(store: Store, engine, items: list[WorkItem] | list[list],
     return _store_results(store, batch, results)
 
 
+def _samples_alone(engine, samples: SampleBatch | None) -> None:
+    """Tinker samples of a failed mixed call, in one engine call of their own (each future written once)."""
+    if samples is None or samples.done or not samples.requests:
+        return
+    try:
+        samples.finish(engine.generate(samples.requests))
+    except Exception as e:
+        log.exception("tinker samples failed alone too")
+        samples.fail(e)
+
+
 def run_generate_isolated(store: Store, engine, items: list[WorkItem] | list[list],
-                          tool_url: str = agentic.DEFAULT_TOOL_URL) -> list[WorkItem]:
+                          tool_url: str = agentic.DEFAULT_TOOL_URL,
+                          samples: SampleBatch | None = None) -> list[WorkItem]:
     """`run_generate`, with per-job failure isolation: when the mixed batch fails, each job's items are
-    retried alone, and only a job whose own items fail is charged (`Store.count_failure`). A batch of
-    one job re-raises after charging it (the task then fails visibly)."""
+    retried alone, and only a job whose own items fail is charged (`Store.count_failure`); Tinker
+    samples not yet served are retried alone too, and fail their futures if that fails. A batch of one
+    job re-raises after charging it (the task then fails visibly)."""
     items = [WorkItem.of(it) for it in items]
     jobs = sorted({it.job for it in items})
     try:
-        return run_generate(store, engine, items, tool_url)
+        return run_generate(store, engine, items, tool_url, samples)
     except Exception as err:
+        _samples_alone(engine, samples)
         if len(jobs) == 1:
             store.count_failure(jobs[0], "generate", err)
             raise
+        if not jobs:
+            return []
         log.warning("mixed generate batch failed (%s: %s); retrying job by job", type(err).__name__, err)
     out: list[WorkItem] = []
     for jid in jobs:

