@@ -41,8 +41,8 @@ def tinker_store() -> TinkerStore:
 def generate(batch_id: str, items: list[list]) -> dict:
     """A batch of [kind, job, idx] items: run the station, send its verify messages, kick a tick. The
     Tinker sample requests pending now ride in the same engine call (taken atomically: each by exactly
-    one task; the tick sends the rest in a `marlaas.tinker_sample` of their own when no generate batch
-    goes out, `tasks.tinker.dispatch`)."""
+    one task; the tick sends the rest in a `marlaas.tinker_sample` of their own once no generate batch
+    is in flight, `tasks.tinker.dispatch`)."""
     work = [WorkItem.of(it) for it in items]
     to_verify: list[WorkItem] = []
     try:

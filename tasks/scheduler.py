@@ -9,7 +9,7 @@ from tasks.common import send, store, tick_config
 @app.task(name="marlaas.tick", ignore_result=True, acks_late=False)
 def tick() -> dict:
     plan = dispatch.tick(store(), send, tick_config())
-    tinker.dispatch(joining=bool(plan and plan.gen_batches))  # pending samples ride those, else their own task
+    tinker.dispatch()  # pending samples -> the generate batches in flight take them, else a task of their own
     if plan is None:
         return {"skipped": "another tick holds the lock"}
     return {

@@ -9,6 +9,7 @@ samples into a Celery message (each pending item is taken once, atomically).
 
 from __future__ import annotations
 
+import time
 from functools import lru_cache
 
 from marlaas.store.tinker import TinkerStore
@@ -21,13 +22,15 @@ def tinker_store() -> TinkerStore:
     return TinkerStore(store())
 
 
-def dispatch(joining: bool = False) -> int:
-    """Send one generate task for the pending samples, unless `joining`: the tick just sent generate
-    batches, whose tasks take the pending samples into their engine calls (`tasks.generate.generate`);
-    what they leave is sent by a later tick. Each sample is taken from the store atomically, so exactly
-    one task serves it. Training ops wait for the trainer lane: the scheduler tick gives it to a model
-    in the same weighted round-robin as job steps."""
-    if joining:
+def dispatch() -> int:
+    """Send one generate task for the pending samples, unless a generate batch is in flight (the tick
+    records the batches it sends before this runs): the generate tasks take the pending samples into
+    their engine calls when they start (`tasks.generate.generate`), and once none is in flight (each
+    ends with a kick) the next tick sends what is left here. Each sample is taken from the store
+    atomically, so exactly one task serves it; a sample waits at most one generate batch (or, when a
+    generate worker dies mid-batch, that batch's lease). Training ops wait for the trainer lane: the
+    scheduler tick gives it to a model in the same weighted round-robin as job steps."""
+    if store().gen_inflight(time.time()) > 0:
         return 0
     samples = tinker_store().take_samples()
     if samples:
