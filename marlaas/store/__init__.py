@@ -126,7 +126,9 @@ def resolve_url(url: str | None, settings) -> str:
 
 @lru_cache(maxsize=8)
 def _client(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
+    # redis-py 8 reads with a 5 s timeout by default: too short for a large adapter or Tinker state
+    # (100+ MB at rank 32) written while Redis appends to its file on a busy host.
+    return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=60, health_check_interval=30)
 
 
 class Store(JobOps, WorkOps, LaneOps, TenantOps, ObserveOps, HygieneOps, VerifierRegistryOps, TickOps):
