@@ -150,9 +150,11 @@ class TinkerStore(TinkerWeights):
                 out.append(sid)
         return out
 
-    def create_model(self, tenant: str, session: str, base: str, lora: dict, seq: int | None = None) -> str:
+    def create_model(self, tenant: str, session: str, base: str, lora: dict, seq: int | None = None,
+                     user_metadata: dict | None = None) -> str:
         """A new model of the session: '{session}:train:{seq}' with the SDK's model_seq_id (the id the
-        SDK derives; asked again, the same model), else 'tk{n}'."""
+        SDK derives; asked again, the same model), else 'tk{n}'. The client's user_metadata (string
+        values) is kept as JSON: its training run shows it (the cookbook records its renderer there)."""
         h = self.session(tenant, session)
         if h.get("ended"):
             raise Gone(f"session {session} has ended ({h['ended']}): create a new ServiceClient")
@@ -167,6 +169,7 @@ class TinkerStore(TinkerWeights):
             "train_attn": int(bool(lora.get("train_attn", True))), "train_mlp": int(bool(lora.get("train_mlp", True))),
             "train_unembed": int(bool(lora.get("train_unembed", True))), "created": now, "last": now,
             "sampler_v": 0, "steps": 0,
+            "user_metadata": json.dumps({str(k): str(v) for k, v in (user_metadata or {}).items()}),
         })
         p.sadd(session_models_key(session), mid)
         p.execute()

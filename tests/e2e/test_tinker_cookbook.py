@@ -50,11 +50,13 @@ def cookbook_env(smollm2_base, home) -> dict[str, str]:
            "MARLAAS_THREADS": "1", "MARLAAS_LEASE_S": "120", "MARLAAS_API_PORT": str(port),
            "MARLAAS_API_URL": url}
     stack = Stack(env=env, log_dir=own_home / "logs")
+    t0 = time.time()
     try:
         stack.start("redis", "api", "control", "generate", "train", "beat")
         wait_for_workers(Store(stack.url), stations=("generate", "train", "control"), timeout=300)
         wait_for_api(url)
         key = "tml-" + tenancy.add_tenant(Store(stack.url), "cookbook")
+        print(f"cookbook stack up in {time.time() - t0:.0f} s")
         yield {**os.environ, "TINKER_BASE_URL": url, "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0",
                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     finally:
@@ -128,6 +130,7 @@ def test_supervised_train_runs_and_resumes_from_its_checkpoint(recipe_runs):
     rc, out = recipe_runs["sl2"]
     assert rc == 0, tail(out)
     assert f"Resumed training from {state}" in out
+    assert f"Renderer metadata matches for checkpoint {state}: {RENDERER}" in out  # the run's user_metadata
     assert "Starting epoch 1" in out and "Starting epoch 0" not in out
     ck = jsonl(log / "checkpoints.jsonl")
     assert len(ck) == len(first) + 1 and ck[-1]["epoch"] == 2
@@ -151,6 +154,7 @@ def test_rl_train_with_its_default_loss_runs_and_resumes(recipe_runs):
     rc, out = recipe_runs["rl2"]
     assert rc == 0, tail(out)
     assert f"Resumed training from {state}" in out
+    assert f"Renderer metadata matches for checkpoint {state}: {RENDERER}" in out
     ck = jsonl(log / "checkpoints.jsonl")
     assert ck[-1]["batch"] == 3 and ck[-1]["state_path"] != state
     steps = [r for r in jsonl(log / "metrics.jsonl") if "env/all/reward/total" in r]

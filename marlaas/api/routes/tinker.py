@@ -151,7 +151,8 @@ async def create_model(request: Request, t: str = Tenant, svc: Service = Svc, ts
     req = await wire.body(request, models.CreateModelRequest)
     base = check_base(svc, req.base_model)
     lora = wire.lora_request(req, svc.max_lora_rank())
-    mid = ts.create_model(t, req.session_id, base, {**lora, "alpha": LoraSpec().alpha}, req.model_seq_id)
+    mid = ts.create_model(t, req.session_id, base, {**lora, "alpha": LoraSpec().alpha}, req.model_seq_id,
+                          req.user_metadata)
     rid = ts.new_future(t, "create_model", mid, 0, result={"model_id": mid, "type": "create_model"})
     return {"request_id": rid, "model_id": mid}
 
@@ -237,7 +238,8 @@ async def load_weights(request: Request, t: str = Tenant, svc: Service = Svc, ts
         wire.optimizer(req.optimizer_config)
         m = ts.model(t, src)
         base = check_base(svc, req.base_model or m["base"])
-        mid = ts.create_model(t, req.session_id, base, {k: m[k] for k in LORA_FIELDS}, req.model_seq_id)
+        mid = ts.create_model(t, req.session_id, base, {k: m[k] for k in LORA_FIELDS}, req.model_seq_id,
+                              req.user_metadata)
     return queue(ts, t, mid, req.seq_id, "load_weights", {"path": req.path, "optimizer": req.optimizer})
 
 

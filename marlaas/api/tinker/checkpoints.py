@@ -7,6 +7,7 @@ or checkpoint is NotFound exactly like a missing one. The archive of an adapter 
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 
 from marlaas.errors import NotFound
@@ -39,7 +40,8 @@ def training_run(ts: TinkerStore, tenant: str, mid: str) -> dict:
             for kind in ("training", "sampler")}
     return {"training_run_id": mid, "base_model": m["base"], "model_owner": tenant, "is_lora": True,
             "lora_rank": int(m["rank"]), "last_request_time": iso(float(m.get("last") or m["created"])),
-            "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"]}
+            "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"],
+            "user_metadata": json.loads(m.get("user_metadata") or "{}") or None}
 
 
 def adapter_blob(ts: TinkerStore, tenant: str, mid: str, kind: str, name: str) -> AdapterBlob:
