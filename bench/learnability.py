@@ -116,6 +116,30 @@ def run_wave(client: Client, tasks: list[str], offset: int, a, done: dict, save)
         save()
 
 
+def table(out: dict) -> str:
+    """The README's table of a run's JSON (markdown): per task the preflight and the training's figures."""
+    def pct(x) -> str:
+        return "-" if x is None else f"{100 * x:.0f}%"
+
+    def fig(x) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    lines = ["| task (easy config) | preflight: exact / mean reward / groups with signal | verdict "
+             "| held-out exact before -> after | held-out mean reward before -> after |",
+             "|---|---|---|---|---|"]
+    for t, r in out["tasks"].items():
+        pf, tr = r.get("preflight") or {}, r.get("train") or {}
+        verdict = (pf.get("verdict") or "-").split(":")[0]
+        b, f = tr.get("before") or {}, tr.get("after") or {}
+        trained = (f"{pct(b.get('exact'))} -> {pct(f.get('exact'))}", f"{fig(b.get('mean_reward'))} -> "
+                   f"{fig(f.get('mean_reward'))}") if tr else ("not run", "not run")
+        lines.append(f"| {t} | {fig(pf.get('exact'))} / {fig(pf.get('mean_reward'))} / {pct(pf.get('signal'))} "
+                     f"| {verdict} | {trained[0]} | {trained[1]} |")
+    for t in out.get("refused", {}):
+        lines.append(f"| {t} | refused at submit: its scorer can run text as Python | - | - | - |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from: {', '.join(TASKS)}")
@@ -132,11 +156,19 @@ def main() -> None:
     ap.add_argument("--wave", type=int, default=5, help="tasks trained at once")
     ap.add_argument("--jit-jobs", type=int, default=2, help="MARLAAS_GEN_JIT_JOBS of the stack (the README's)")
     ap.add_argument("--generate-workers", type=int, default=1)
+    ap.add_argument("--preflight-only", action="store_true", help="only the preflights (no training)")
+    ap.add_argument("--seed-offset", type=int, default=0,
+                    help="index of the first task (its job seed is --seed + index): a run of the later tasks "
+                         "alone uses the seeds they get in a full run")
     ap.add_argument("--job-timeout", type=float, default=3600.0)
     ap.add_argument("--base", type=Path, default=None, help="an imported base directory, used read-only")
     ap.add_argument("--base-dir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path("results/learnability.json"))
+    ap.add_argument("--table", type=Path, default=None, help="only print the README table of this JSON")
     a = ap.parse_args()
+    if a.table is not None:
+        print(table(json.loads(a.table.read_text())))
+        return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run saves its JSON and stops its stack
     tasks = [t for t in a.tasks.split(",") if t]
     unknown = [t for t in tasks if t not in TASKS]
@@ -187,9 +219,10 @@ def main() -> None:
         client = Client(stack.url)
         print(f"stack up after {time.time() - t_start:.0f} s", flush=True)
         for w in range(0, len(tasks), a.wave):  # per wave: its preflights, then its jobs at once
-            state["preflight"].update(run_preflights(client, tasks[w:w + a.wave], w, a))
+            state["preflight"].update(run_preflights(client, tasks[w:w + a.wave], a.seed_offset + w, a))
             save()
-            run_wave(client, tasks[w:w + a.wave], w, a, state["train"], save)
+            if not a.preflight_only:
+                run_wave(client, tasks[w:w + a.wave], a.seed_offset + w, a, state["train"], save)
     finally:
         save()
         stack.stop()

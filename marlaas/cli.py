@@ -187,8 +187,8 @@ def _preflight(client, data: dict, as_json: bool) -> None:
         raise MarlaasError(f"preflight {st['job']} {st['status']}: {st.get('error') or 'no result'}")
     console.print(f"preflight {st['job']}: {pf['prompts']} prompts x {pf['group_size']} samples of the base: "
                   f"exact {pf['exact']:.2f}, mean reward {pf['mean_reward']:.2f}, "
-                  f"groups with signal {pf['groups_with_signal']}/{pf['prompts']} ({pf['signal']:.0%})")
-    console.print(f"verdict: {pf['verdict']}", highlight=False)
+                  f"groups with signal {pf['groups_with_signal']}/{pf['prompts']} ({pf['signal']:.0%})", soft_wrap=True)
+    console.print(f"verdict: {pf['verdict']}", highlight=False, soft_wrap=True)  # one line each, never wrapped
 
 
 @app.command()

@@ -89,3 +89,22 @@ def test_a_job_without_signal_is_warned_and_stopped_if_asked(worker_stack):
         warnings = [e["data"] for e in events if e["type"] == "warning"]
         assert len(warnings) == 1 and warnings[0]["step"] == 2, events
         assert "no signal in the first 2 steps" in warnings[0]["message"]
+
+
+def test_cli_submit_preflight_prints_figures_and_verdict(worker_stack, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    toml = tmp_path / "never.toml"
+    rows = families.rows("max", "train", 8, 0)
+    toml.write_text("tenant = \"pf\"\nsteps = 20\ngroup_size = 4\neval_size = 2\neval_k = 0\npreflight_prompts = 4\n"
+                    "grader = {type = \"python\", source = '''" + NEVER + "'''}\n"
+                    + "".join(f"[[dataset]]\nprompt = {r['prompt']!r}\nanswer = {r['answer']!r}\n".replace("'", '"')
+                              for r in rows))
+    env = {**os.environ, "MARLAAS_API_URL": worker_stack.env["MARLAAS_API_URL"]}
+    out = subprocess.run([sys.executable, "-m", "marlaas.cli", "submit", str(toml), "--preflight"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "4 prompts x 4 samples of the base: exact 0.00, mean reward 0.00, groups with signal 0/4" in out.stdout
+    assert "verdict: " + NO_SIGNAL_ZERO in out.stdout.splitlines()
