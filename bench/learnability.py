@@ -180,8 +180,8 @@ def main() -> None:
     env = {"MARLAAS_BASE": str(base), "MARLAAS_ENGINE": "hf", "MARLAAS_THREADS": "1", "MARLAAS_LEASE_S": "600",
            "MARLAAS_GEN_JIT_JOBS": str(a.jit_jobs)}
     stack = Stack(env=env, log_dir=home / "bench-logs" / "learnability")
-    opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()
-                    if k not in ("out", "base", "base_dir") and v is not None)
+    opts = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(a).items()
+                    if k not in ("out", "base", "base_dir", "table") and v is not None and v is not False)
     state: dict = {"preflight": {}, "train": {}, "refused": {}}
     for t, cfg in REFUSED_CONFIGS.items():
         try:
