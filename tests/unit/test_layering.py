@@ -21,6 +21,7 @@ PURE = (
     "marlaas.train.schedule",
     "marlaas.tools.episodes",
     "marlaas.verify.evaluation",
+    "marlaas.verify.preflight",
     "marlaas.families",
 )
 IMPURE_ROOTS = ("redis", "celery", "kombu", "tasks", "workers", "marlaas.store")
