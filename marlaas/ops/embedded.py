@@ -12,6 +12,7 @@ In production the same Procfile lines run (without `redis`) with MARLAAS_REDIS_U
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -264,6 +265,14 @@ def _alive(pid: int) -> bool:
 _PDEATHSIG = sys.platform.startswith("linux") and shutil.which("setpriv") is not None
 
 
+def shell_line(cmd: str) -> str:
+    """The bash script that runs a Procfile line as the process itself (`exec`, so signals reach the
+    program). A line that execs its program itself, after setting its environment (Flower's
+    `FLOWER_BASIC_AUTH=... exec celery ...`: the password stays out of every argv), runs as written:
+    `exec VAR=value prog` would try to run a program named `VAR=value`."""
+    return cmd if re.search(r"(^|\s)exec\s", cmd) else f"exec {cmd}"
+
+
 class Stack:
     """Procfile processes as separate process groups (tests, benchmarks): start, kill, restart."""
 
@@ -285,7 +294,7 @@ class Stack:
             cmd = self.lines[name]
             log = open(self.log_dir / f"{name}.log", "ab")
             self.procs[name] = subprocess.Popen(
-                [*tie, "bash", "-c", f"exec {cmd}"], cwd=ROOT, env={**self.env, **(env or {})},
+                [*tie, "bash", "-c", shell_line(cmd)], cwd=ROOT, env={**self.env, **(env or {})},
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )
             if name == "redis":

@@ -113,8 +113,10 @@ def test_samples_ride_in_the_jobs_generate_batches(door):
     from marlaas.store import Store
 
     sc, url, token = door
-    job = Client(url, token=token).submit({"task": "sort", "steps": 6, "prompts_per_step": 2, "group_size": 4,
-                                           "eval_size": 2, "max_staleness": 2})
+    # A job long enough to keep generating for the whole probe (cancelled at the end): with a short one
+    # the samples could arrive after its last batch, with nothing left to ride in.
+    job = Client(url, token=token).submit({"task": "sort", "steps": 500, "prompts_per_step": 2, "group_size": 4,
+                                           "eval_size": 2, "eval_every": 0, "max_staleness": 2})
     base = sc.get_server_capabilities().supported_models[0].model_name
     s = sc.create_sampling_client(base_model=base)
     since, shared = time.time(), []

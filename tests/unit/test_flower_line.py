@@ -29,3 +29,13 @@ def test_the_stack_environment_carries_flowers_credential(monkeypatch):
     monkeypatch.setenv("MARLAAS_FLOWER_AUTH", "marlaas:s3cret")
     env = embedded.stack_env("redis://:pw@127.0.0.1:1/0")
     assert env["FLOWER_BASIC_AUTH"] == "marlaas:s3cret"
+
+
+def test_the_stack_runs_flowers_line_as_written_and_others_under_exec():
+    """`exec VAR=... prog` would look for a program named `VAR=...`: a line that execs itself runs as
+    written (Flower's), every other line under `exec`."""
+    lines = embedded.procfile_lines()
+    assert embedded.shell_line(lines["flower"]) == lines["flower"]
+    assert embedded.shell_line(lines["control"]) == "exec " + lines["control"]
+    line = "celery -A tasks.app worker --executor x"  # "exec" inside a word is no exec
+    assert embedded.shell_line(line) == "exec " + line
