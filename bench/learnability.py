@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.real import BASE_NAME, _shown, prepare_base  # noqa: E402
+from bench.real import BASE_NAME, TASK_CONFIGS, prepare_base, shown  # noqa: E402
 from marlaas.api.client import Client  # noqa: E402
 from marlaas.ops.embedded import Stack, wait_for_workers  # noqa: E402
 from marlaas.settings import get_settings  # noqa: E402
@@ -47,12 +47,7 @@ TASKS: dict[str, dict] = {
     "decimal_chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
                           "min_decimal_places": 1, "max_decimal_places": 1},
     "spell_backward": {"min_word_len": 3, "max_word_len": 4},
-    "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"],
-                         "allow_parentheses": False, "allow_negation": False},
-    "chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
-    "lcm": {"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 20},
-    "products": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "allow_negation": False},
-    "gcd": {"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 60},
+    **{t: TASK_CONFIGS[t] for t in ("basic_arithmetic", "chain_sum", "lcm", "products", "gcd")},
 }
 # Asked for, but refused by the service (marlaas/verify/rg_guard.py: its code can run text as Python);
 # the bench submits it and records the one-line refusal.
@@ -194,7 +189,7 @@ def main() -> None:
             "command": f".venv/bin/python bench/learnability.py {opts} --out {a.out}",
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "machine": {"cores": os.cpu_count(), "loadavg": [round(x, 2) for x in os.getloadavg()]},
-            "base": {"name": BASE_NAME, "params": info.get("params"), "dir": _shown(base, home)},
+            "base": {"name": BASE_NAME, "params": info.get("params"), "dir": shown(base, home)},
             "sizes": {"preflight_prompts": a.preflight_prompts, "steps": a.steps, "group_size": a.group_size,
                       "prompts_per_step": a.prompts_per_step, "max_new_tokens": a.max_new_tokens,
                       "eval_size": a.eval_size, "eval_k": 0, "learning_rate": a.lr,

@@ -60,7 +60,7 @@ STACK_LINES = ("redis", "control", "generate", "verify", "train", "beat")
 CHAT_MARKERS = ("<|im_end|>", "<|im_start|>", "<|endoftext|>")
 
 
-def _shown(path: Path, home: Path) -> str:
+def shown(path: Path, home: Path) -> str:
     """A path as the results show it: under $MARLAAS_HOME by that name (no machine paths in results)."""
     try:
         return "$MARLAAS_HOME/" + str(Path(path).resolve().relative_to(Path(home).resolve()))
@@ -335,7 +335,7 @@ def main() -> None:
             "command": f".venv/bin/python bench/real.py {opts} --out {a.out}",
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "machine": {"cores": os.cpu_count(), "loadavg": [round(x, 2) for x in os.getloadavg()]},
-            "base": {"name": BASE_NAME, "params": info.get("params"), "dir": _shown(base, home),
+            "base": {"name": BASE_NAME, "params": info.get("params"), "dir": shown(base, home),
                      "eos_token_ids": info.get("eos_token_ids"), "chat_template": info.get("has_chat_template")},
             "sizes": {"steps": a.steps, "group_size": a.group_size, "prompts_per_step": a.prompts_per_step,
                       "max_new_tokens": a.max_new_tokens, "eval_size": a.eval_size, "eval_every": 0, "eval_k": 0,

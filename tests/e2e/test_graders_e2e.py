@@ -8,16 +8,10 @@ family's verifier. "Learns": the mean reward of the last steps is above that of 
 import pytest
 
 from marlaas import Client, JobSpec, families
+from tests.helpers_verifiers import PARTIAL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-PARTIAL = (
-    "def grade(sample, item):\n"
-    "    out, ans = sample['output_text'].strip(), item['answer']\n"
-    "    if out == ans:\n        return 1.0\n"
-    "    hits = sum(1 for a, b in zip(out, ans) if a == b)\n"
-    "    return 0.5 * hits / max(len(ans), len(out), 1)\n"
-)
 MULTI = {"type": "multi", "calculate_output": "0.6 * exact + 0.4 * fuzzy", "graders": {
     "exact": {"type": "string_check", "input": "{{sample.output_text}}", "reference": "{{item.answer}}",
               "operation": "eq"},

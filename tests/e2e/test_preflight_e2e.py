@@ -10,16 +10,10 @@ import pytest
 from marlaas import families
 from marlaas.api.http_client import Client
 from marlaas.verify.preflight import NO_SIGNAL_ZERO
+from tests.helpers_verifiers import PARTIAL
 
 pytestmark = pytest.mark.e2e
 
-PARTIAL = (
-    "def grade(sample, item):\n"
-    "    out, ans = sample['output_text'].strip(), item['answer']\n"
-    "    if out == ans:\n        return 1.0\n"
-    "    hits = sum(1 for a, b in zip(out, ans) if a == b)\n"
-    "    return 0.5 * hits / max(len(ans), len(out), 1)\n"
-)
 NEVER = "def grade(sample, item):\n    return 0.0\n"
 
 
