@@ -91,3 +91,47 @@ def worker_key(name: str) -> str:
 
 def base_file_key(content_hash: str, path: str) -> str:
     return f"{P}base:{content_hash}:file:{path}"
+
+
+# ---------------------------------------------------------------- the Tinker protocol (store/tinker*.py)
+TK = P + "tk:"
+
+
+def model_key(m: str) -> str:
+    return f"{TK}model:{m}"
+
+
+def live_key(m: str) -> str:
+    return f"{TK}live:{m}"
+
+
+def ckpt_key(m: str) -> str:
+    return f"{TK}ckpt:{m}"
+
+
+def ttl_key(m: str) -> str:
+    return f"{TK}ttl:{m}"
+
+
+def state_key(m: str, name: str) -> str:
+    return f"{TK}state:{m}:{name}"
+
+
+def session_key(s: str) -> str:
+    return f"{TK}session:{s}"
+
+
+def session_models_key(s: str) -> str:
+    return f"{TK}session:{s}:models"
+
+
+def queue_key(m: str) -> str:
+    return f"{TK}q:{m}"
+
+
+def future_key(r: str) -> str:
+    return f"{TK}fut:{r}"
+
+
+def sampler_key(s: str) -> str:
+    return f"{TK}sampler:{s}"

@@ -1,5 +1,5 @@
 """The store's side of the Tinker protocol: sessions, training models, futures, per-model op queues,
-checkpoints and sampling sessions (part of the store layer: the only code that spells these keys).
+checkpoints and sampling sessions (part of the store layer; the key names are built in marlaas/store/keys.py).
 
 Key schema (prefix `m:tk:`):
   m:tk:seq                      INCR counter for session, model, sampler and request ids
@@ -42,8 +42,8 @@ import time
 
 from marlaas.adapters import default_alpha
 from marlaas.errors import Gone, NotFound, SpecError
-from marlaas.store.keys import WAKE
-from marlaas.store.tinker_weights import TK, TinkerWeights, ckpt_key, live_key, model_key, state_key, ttl_key  # noqa: F401  (the key schema is spelled in one place)
+from marlaas.store.keys import TK, WAKE, future_key, model_key, queue_key, sampler_key, session_key, session_models_key
+from marlaas.store.tinker_weights import TinkerWeights
 
 SEQ = TK + "seq"
 PENDING_TRAIN = TK + "pending:train"
@@ -60,26 +60,6 @@ def parse_path(path: str) -> tuple[str, str, str]:
         raise SpecError(f"invalid checkpoint path {path!r}: expected tinker://<model>/weights/<name> "
                         "or tinker://<model>/sampler_weights/<name>")
     return m.group(1), m.group(2), m.group(3)
-
-
-def session_key(s: str) -> str:
-    return f"{TK}session:{s}"
-
-
-def session_models_key(s: str) -> str:
-    return f"{TK}session:{s}:models"
-
-
-def queue_key(m: str) -> str:
-    return f"{TK}q:{m}"
-
-
-def future_key(r: str) -> str:
-    return f"{TK}fut:{r}"
-
-
-def sampler_key(s: str) -> str:
-    return f"{TK}sampler:{s}"
 
 
 def _s(v) -> str | None:

@@ -12,30 +12,8 @@ import json
 import time
 
 from marlaas.errors import NotFound
-from marlaas.store.keys import P, adapter_key
+from marlaas.store.keys import adapter_key, ckpt_key, live_key, model_key, state_key, ttl_key
 from marlaas.types import AdapterBlob
-
-TK = P + "tk:"
-
-
-def model_key(m: str) -> str:
-    return f"{TK}model:{m}"
-
-
-def live_key(m: str) -> str:
-    return f"{TK}live:{m}"
-
-
-def ckpt_key(m: str) -> str:
-    return f"{TK}ckpt:{m}"
-
-
-def ttl_key(m: str) -> str:
-    return f"{TK}ttl:{m}"
-
-
-def state_key(m: str, name: str) -> str:
-    return f"{TK}state:{m}:{name}"
 
 
 def _s(v) -> str | None:

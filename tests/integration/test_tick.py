@@ -313,7 +313,8 @@ def test_trainer_shares_are_fair_per_tenant_over_the_real_tick(st):
 def test_a_tinker_model_shares_the_trainer_lane_fairly_with_jobs(st):
     """A Tinker client that always has ops queued, next to two tenants' jobs that are always ready:
     over the real tick each of the three tenants (equal plans) gets a third of the trainer's steps."""
-    from marlaas.store.tinker import PENDING_TRAIN, TinkerStore, model_key
+    from marlaas.store.keys import model_key
+    from marlaas.store.tinker import PENDING_TRAIN, TinkerStore
     from marlaas.types import AdapterBlob
 
     jobs = [make_job(st, "a", steps=1000), make_job(st, "b", steps=1000), make_job(st, "b", steps=1000)]

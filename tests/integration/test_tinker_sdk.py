@@ -202,7 +202,8 @@ def test_session_lifecycle_resume_and_checkpoints(worker_stack, tiny_base, api_k
     from tinker import types
 
     from marlaas.store import Store
-    from marlaas.store.tinker import TinkerStore, queue_key, state_key
+    from marlaas.store.keys import queue_key, state_key
+    from marlaas.store.tinker import TinkerStore
 
     url = os.environ["MARLAAS_API_URL"]
     own = {"X-API-Key": api_key}
