@@ -179,7 +179,7 @@ def _preflight(client, data: dict, as_json: bool) -> None:
     """`submit --preflight`: the preflight's figures and verdict (followed past the server's wait)."""
     st = client.preflight(data)
     if st["status"] not in TERMINAL_STATUSES:
-        st = client.job(st["job"]).wait()
+        st = client.job(st["id"]).wait()
     if _emit(st, as_json):
         return
     pf = st.get("preflight")

@@ -79,7 +79,7 @@ class Client:
         """A learnability check of `spec` instead of training it (the server samples the base on a
         few dozen training prompts and scores them): the status of the preflight record, whose
         `preflight` holds exact, mean_reward, signal and a verdict once done. If it takes over `wait`
-        s (at most 60) it is still running: `job(st["job"]).wait()` follows it."""
+        s (at most 60) it is still running: `job(st["id"]).wait()` follows it."""
         data = spec.model_dump(mode="json") if isinstance(spec, JobSpec) else dict(spec)
         for key in ("dataset", "eval_dataset"):
             value = data.get(key)
