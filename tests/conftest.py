@@ -77,6 +77,15 @@ def st(scratch_url):
 
 
 @pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 server (SeaweedFS, credentials required) with one bucket, for the whole run."""
+    from tests.s3server import seaweed
+
+    with seaweed(tmp_path_factory.mktemp("s3")) as s3:
+        yield s3
+
+
+@pytest.fixture(scope="session")
 def tiny_base(home) -> Path:
     """The tiny test-preset base model, pretrained briefly (built once per run)."""
     from marlaas.base.pretrain import ensure_base
