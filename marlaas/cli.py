@@ -75,7 +75,8 @@ def base_import(
 @base_app.command("push")
 def base_push(
     src: Path = typer.Argument(None, help="Model directory (default: MARLAAS_BASE)."),
-    url: str = typer.Option(None, help="fsspec URL the workers can read (large bases); default: into Redis."),
+    url: str = typer.Option(None, help=(
+        "fsspec URL the workers read the files from; default: the artifact store (MARLAAS_ARTIFACTS).")),
     replace: bool = typer.Option(False, help="Replace a different pushed base (only with no active job)."),
     as_json: bool = typer.Option(False, "--json"),
 ):

@@ -37,6 +37,18 @@ class StoreUnavailable(MarlaasError):
     status = 503
 
 
+class ArtifactError(StoreUnavailable):
+    """The artifact store cannot give an object back whole: missing, corrupt (its sha256 differs from
+    its name) or unreachable (HTTP 503)."""
+
+
+class StorageQuotaExceeded(MarlaasError):
+    """The tenant's stored bytes reached its plan's `storage_bytes` (HTTP 413): delete ended jobs'
+    artifacts (DELETE /v1/jobs/{id}) or checkpoints."""
+
+    status = 413
+
+
 class StoreFull(StoreUnavailable):
     """The store is near its memory cap: new work is refused until jobs finish (HTTP 503)."""
 

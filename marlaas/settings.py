@@ -78,6 +78,17 @@ class Settings(BaseSettings):
     serves any rank: 64 by default. The vLLM engine is started with exactly this max_lora_rank, which
     must be one of vLLM's ranks (VLLM_LORA_RANKS); its default there is 16, since vLLM's CPU LoRA cost
     follows the engine's max_lora_rank, not the adapter's (docs/performance.md)."""
+    artifacts: str | None = None
+    """Where adapters, optimizer states, checkpoints and base files live (marlaas.store.artifacts):
+    `file:///DIR` or `s3://BUCKET/PREFIX` (endpoint and credentials from boto3's environment:
+    AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY). None: `<home>/artifacts`, which serves
+    the processes of one host; several hosts need S3 (or one shared filesystem)."""
+    artifact_cache_mb: int = Field(2048, ge=0)
+    """Each host's on-disk read cache of S3 objects (`<home>/cache/artifacts`, least recently used
+    evicted past this size; 0: none). Unused with a local directory."""
+    artifact_grace_s: float = Field(3600.0, gt=0)
+    """An object no reference names is deleted by the sweep once it is this old: longer than any write
+    takes to be published (a trainer killed between the write and its publish leaves such an orphan)."""
     lease_s: float = Field(120.0, gt=0)
     """Seconds after which dispatched work that has not finished is dispatched again."""
     tool_url: str = "http://127.0.0.1:9110"
@@ -105,6 +116,10 @@ class Settings(BaseSettings):
     @property
     def base_path(self) -> Path:
         return self.base if self.base is not None else self.home / "base"
+
+    @property
+    def artifacts_url(self) -> str:
+        return self.artifacts or f"file://{self.home / 'artifacts'}"
 
     @property
     def embedded_dir(self) -> Path:

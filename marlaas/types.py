@@ -141,6 +141,8 @@ class AdapterBlob:
 
     config: dict
     weights: bytes
+    sha256: str = ""
+    """The content hash of `weights` when it came from the store (the object's name); empty otherwise."""
 
 
 @dataclass

@@ -4,8 +4,9 @@
 MARLAAS_BASE is unset or missing fetches it into its own cache, `$MARLAAS_HOME/cache/base/<hash>`,
 and loads it from there. Two ways to carry the bytes:
 
-- in Redis (the default): each file as a list of chunks of at most CHUNK_BYTES under its content
-  hash; meant for small bases (the tiny built ones are a few MB), refused above `max_bytes`;
+- through the artifact store (the default; marlaas.store.artifacts: a local directory, or S3 for
+  several hosts): each file is an object `base/<H>/<sha256 of the file>`; Redis holds only the
+  manifest, so a base of any size never passes through Redis;
 - by URL (`--url`, an fsspec URL such as `file:///srv/bases/qwen`, or `s3://...` with that
   filesystem's package installed): the files are copied there (unless DIR already is that place) and
   only the manifest goes into Redis; workers read each file from the URL.
@@ -35,8 +36,6 @@ from pathlib import Path
 from marlaas.errors import BaseModelError
 
 CHUNK_BYTES = 8 * 1024 * 1024
-MAX_BLOB_BYTES = 1024 * 1024 * 1024
-"""Largest base pushed into Redis itself; larger ones go by URL (Redis holds everything in memory)."""
 
 
 def _sha256_file(path: Path) -> str:
@@ -72,14 +71,8 @@ def manifest_of(src: Path | str) -> dict:
     }
 
 
-def _chunks(path: Path):
-    with open(path, "rb") as f:
-        yield from iter(lambda: f.read(CHUNK_BYTES), b"")
-
-
-def push(store, src: Path | str, url: str | None = None, replace: bool = False,
-         max_bytes: int = MAX_BLOB_BYTES) -> dict:
-    """Make `src` the deployment's base: files into Redis (or to `url`), then the manifest.
+def push(store, src: Path | str, url: str | None = None, replace: bool = False) -> dict:
+    """Make `src` the deployment's base: files into the artifact store (or to `url`), then the manifest.
 
     Pushing the same content again is a no-op. Returns the stored manifest (with `pushed`, `url`)."""
     src = Path(src)
@@ -96,18 +89,14 @@ def push(store, src: Path | str, url: str | None = None, replace: bool = False,
         if active:
             raise BaseModelError(f"cannot replace the base while {len(active)} job(s) are active: {', '.join(active)}")
     if url is None:
-        if m["bytes"] > max_bytes:
-            raise BaseModelError(
-                f"{src.name} has {m['bytes'] / 2**20:.0f} MiB, more than the {max_bytes / 2**20:.0f} MiB a base "
-                f"may take in Redis; push it with --url (an fsspec URL the workers can read)")
-        for path in m["files"]:
-            store.put_base_file(m["hash"], path, _chunks(src / path))
+        for path, info in m["files"].items():
+            info["ref"] = str(store.put_blob_file(f"base/{m['hash']}", src / path, info["sha256"]))
     else:
         _copy_to_url(src, m, url)
     m.update(url=url, pushed=time.time())
     store.set_base_manifest(m)
     if old is not None and old.get("url") is None and (old["hash"] != m["hash"] or url is not None):
-        store.delete_base_files(old["hash"])  # blobs no worker will read again
+        store.drop_prefix(f"base/{old['hash']}/")  # objects no worker will read again
     return m
 
 
@@ -126,7 +115,9 @@ def _copy_to_url(src: Path, m: dict, url: str) -> None:
 
 def _read_chunks(store, m: dict, path: str):
     if m.get("url") is None:
-        yield from store.base_file_chunks(m["hash"], path)
+        from marlaas.store.artifacts import Ref
+
+        yield from store.artifacts.stream(Ref.parse(m["files"][path]["ref"]))  # checked whole below
         return
     import fsspec
 

@@ -16,8 +16,8 @@ Key schema (prefix `m:`):
   m:job:{j}:verified            set of group indices verified and not yet trained
   m:job:{j}:eval:{v}            hash of the held-out evaluation of version v (like a rollout)
   m:job:{j}:evals               hash v -> JSON {exact, mean_reward, n, k, pass_at_k, ...} (evaluation.summarize)
-  m:job:{j}:adapter:{v}         hash: config (JSON), weights (safetensors bytes)
-  m:job:{j}:optim               hash: version, data (optimizer state bytes)
+  m:job:{j}:adapter:{v}         hash: config (JSON), ref (the safetensors bytes' object, artifacts.Ref)
+  m:job:{j}:optim               hash: version, ref (the optimizer state's object)
   m:job:{j}:metrics             list of JSON, one per published step
   m:job:{j}:notices             list of JSON {type, at, data}: what the job's tenant is told (grader errors,
                                 warnings), capped; kept with the metrics
@@ -43,8 +43,14 @@ Key schema (prefix `m:`):
                                 those fields (tick.py)
   m:sched:changes               zset job -> sequence number of its table row's last change
   m:sched:epoch                 the table's epoch (new when the table was rebuilt or the DB flushed)
-  m:base:manifest               JSON manifest of the pushed base model {hash, name, files, url}
-  m:base:{hash}:file:{path}     list of byte chunks of one base file (absent when pushed by URL)
+  m:base:manifest               JSON manifest of the pushed base model {hash, name, files: {path: {sha256,
+                                size, ref}}, url}: the files are objects of the artifact store
+  m:tenant:{t}:stored           the tenant's bytes in the artifact store (blobs.py)
+  m:tenant:{t}:files            hash file id -> JSON {ref, kind, name}: the tenant's uploads
+
+Bytes never ride in Redis: adapter weights, optimizer states, Tinker weights and large payloads, base
+files and uploads are objects of the artifact store (`self.artifacts`, marlaas/store/artifacts.py),
+written completely before the reference naming them is stored; no Redis value is over 1 MiB.
 
 Invariants kept here: publishing version t+1 is one Lua compare-and-set on t (exactly-once steps);
 rewards are accepted only for the rollout attempt they were computed on.
@@ -59,6 +65,8 @@ import redis
 from marlaas.errors import StoreUnavailable, redact_url
 from marlaas.settings import get_settings
 from marlaas.store import scripts
+from marlaas.store.artifacts import Artifacts, open_artifacts
+from marlaas.store.blobs import BlobOps
 from marlaas.store.hygiene import HygieneOps
 from marlaas.store.jobs import JobOps, JobRecord, spec_from_json  # noqa: F401  (re-exported)
 from marlaas.store.keys import (  # noqa: F401  (re-exported: the store layer's key names)
@@ -85,7 +93,6 @@ from marlaas.store.keys import (  # noqa: F401  (re-exported: the store layer's 
     WORKERS,
     P,
     adapter_key,
-    base_file_key,
     eval_key,
     evals_key,
     item_name,
@@ -131,21 +138,32 @@ def _client(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=60, health_check_interval=30)
 
 
-class Store(JobOps, WorkOps, LaneOps, TenantOps, ObserveOps, HygieneOps, VerifierRegistryOps, TickOps):
+@lru_cache(maxsize=8)
+def _artifacts(url: str, cache_dir: str, cache_bytes: int) -> Artifacts:
+    return open_artifacts(url, cache_dir, cache_bytes)
+
+
+class Store(JobOps, WorkOps, LaneOps, TenantOps, ObserveOps, HygieneOps, VerifierRegistryOps, TickOps,
+            BlobOps):
     """Typed access to the Redis store, one mixin per concern. Every method is one or a few round trips.
 
     `url`: the Redis URL; `lease_s`: how long a work item that moves to its next stage (generated ->
-    verify, continued -> verify) is leased. The process edges pass both; a value not passed comes
-    from the settings, read here and nowhere else in the store (`Store()` is the ordinary
-    construction in scripts, tests and the CLI)."""
+    verify, continued -> verify) is leased; `artifacts`: the artifact store (marlaas.store.artifacts).
+    The process edges pass them; a value not passed comes from the settings, read here and nowhere
+    else in the store (`Store()` is the ordinary construction in scripts, tests and the CLI)."""
 
-    def __init__(self, url: str | None = None, *, lease_s: float | None = None):
-        if url is None or lease_s is None:
+    def __init__(self, url: str | None = None, *, lease_s: float | None = None,
+                 artifacts: Artifacts | None = None):
+        if url is None or lease_s is None or artifacts is None:
             s = get_settings()
             lease_s = s.lease_s if lease_s is None else lease_s
             url = resolve_url(url, s)
+            if artifacts is None:
+                artifacts = _artifacts(s.artifacts_url, str(s.home / "cache" / "artifacts"),
+                                       s.artifact_cache_mb * 2**20)
         self.url = url
         self.lease_s = lease_s
+        self.artifacts = artifacts
         self.r = _client(self.url)
         self._publish = self.r.register_script(scripts.PUBLISH)
         self._accept = self.r.register_script(scripts.ACCEPT_REWARDS)

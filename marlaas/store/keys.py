@@ -73,6 +73,16 @@ def tenant_key(t: str) -> str:
     return f"{P}tenant:{t}:jobs"
 
 
+def stored_key(t: str) -> str:
+    """The tenant's bytes in the artifact store (marlaas/store/blobs.py)."""
+    return f"{P}tenant:{t}:stored"
+
+
+def files_key(t: str) -> str:
+    """The tenant's uploaded files: file id -> JSON {ref, kind, name}."""
+    return f"{P}tenant:{t}:files"
+
+
 def job_end_key(j: str) -> str:
     return f"{P}job:{j}:end"
 
@@ -87,10 +97,6 @@ def lease_index_key(j: str) -> str:
 
 def worker_key(name: str) -> str:
     return f"{P}worker:{name}"
-
-
-def base_file_key(content_hash: str, path: str) -> str:
-    return f"{P}base:{content_hash}:file:{path}"
 
 
 # ---------------------------------------------------------------- the Tinker protocol (store/tinker*.py)

@@ -10,6 +10,8 @@ import time
 import uuid
 
 from marlaas.errors import NotFound
+from marlaas.store.artifacts import Ref
+from marlaas.store.blobs import job_owner, ref_or_none
 from marlaas.store.keys import (
     ACTIVE,
     KICK,
@@ -34,10 +36,17 @@ class LaneOps:
 
     # ---------------------------------------------------------------- adapters and training state
     def adapter(self, ref: AdapterRef) -> AdapterBlob:
-        cfg, w = self.r.hmget(adapter_key(ref.job_id, ref.version), ["config", "weights"])
-        if cfg is None or w is None:
+        """A stored adapter version: its config from Redis, its weights from the artifact store (checked
+        against their sha256). `AdapterBlob.sha256` names exactly the bytes returned."""
+        cfg, raw = self.r.hmget(adapter_key(ref.job_id, ref.version), ["config", "ref"])
+        if cfg is None or raw is None:
             raise NotFound(f"job {ref.job_id} has no stored adapter version {ref.version}")
-        return AdapterBlob(config=json.loads(cfg), weights=w)
+        obj = Ref.parse(raw)
+        return AdapterBlob(config=json.loads(cfg), weights=self.blob(obj), sha256=obj.sha256)
+
+    def adapter_ref(self, ref: AdapterRef) -> Ref | None:
+        """The object reference of a stored adapter version (None when not stored)."""
+        return ref_or_none(self.r.hget(adapter_key(ref.job_id, ref.version), "ref"))
 
     def existing_adapters(self, jid: str, versions: list[int]) -> list[int]:
         """Those of `versions` whose adapter is still stored (one pipelined round trip)."""
@@ -47,10 +56,19 @@ class LaneOps:
         return [v for v, ok in zip(versions, p.execute()) if ok]
 
     def optimizer_state(self, jid: str) -> tuple[int, bytes] | None:
-        v, data = self.r.hmget(optim_key(jid), ["version", "data"])
-        if v is None:
+        v, raw = self.r.hmget(optim_key(jid), ["version", "ref"])
+        if v is None or raw is None:
             return None
-        return int(v), data
+        return int(v), self.blob(raw)
+
+    def job_live_keys(self, jid: str) -> set[str]:
+        """The object keys the job's references name: every stored adapter version and its optimizer state."""
+        version = self.r.hget(job_key(jid), "version")
+        p = self.r.pipeline(transaction=False)
+        for v in range(1, int(version or 0) + 1):
+            p.hget(adapter_key(jid, v), "ref")
+        p.hget(optim_key(jid), "ref")
+        return {Ref.parse(x).key for x in p.execute() if x}
 
     def publish(
         self,
@@ -66,19 +84,32 @@ class LaneOps:
     ) -> bool:
         """Atomically publish version t+1 iff the job is still at version t (exactly-once).
 
+        The weights and optimizer state are written to the artifact store first; the publish stores
+        only their references, in the same compare-and-set as the version. A publish that loses the
+        compare-and-set leaves its objects to the sweep (another publish may name the same bytes).
         The adapter KEEP_VERSIONS_EXTRA + 1 versions back is deleted, unless it is one the job
         evaluates (a multiple of `eval_every`, or the final one): its held-out evaluation may
-        still be queued, and it stays downloadable next to its scores."""
+        still be queued, and it stays downloadable next to its scores. The objects the publish
+        replaced are deleted once no reference of the job names them."""
+        tenant = self.r.hget(job_key(jid), "tenant")
+        owner = job_owner(tenant.decode() if tenant else None, jid)
+        w_ref = self.put_blob(owner, adapter.weights)
+        o_ref = self.put_blob(owner, optimizer)
         old = t + 1 - KEEP_VERSIONS_EXTRA - 1
         evaluated = old == steps or (eval_every > 0 and old % eval_every == 0)
         old_key = adapter_key(jid, old) if old >= 1 and not evaluated else ""
-        ok = self._publish(
+        out = self._publish(
             keys=[job_key(jid), adapter_key(jid, t + 1), optim_key(jid), TRAINER, verified_key(jid),
                   metrics_key(jid), old_key, SCHED_JOBS, ACTIVE, SCHED_CHANGES],
-            args=[t, json.dumps(adapter.config), adapter.weights, optimizer, json.dumps(metrics),
+            args=[t, json.dumps(adapter.config), str(w_ref), str(o_ref), json.dumps(metrics),
                   lease_token, time.time(), len(trained_groups), *trained_groups, jid],
         )
-        return bool(ok)
+        if not out or not int(out[0]):
+            return False
+        replaced = [ref_or_none(x) for x in out[1:]]
+        if any(replaced):
+            self.drop(replaced, keep=self.job_live_keys(jid))
+        return True
 
     def metrics(self, jid: str) -> list[dict]:
         return [json.loads(x) for x in self.r.lrange(metrics_key(jid), 0, -1)]

@@ -9,8 +9,6 @@ import time
 from marlaas.store.keys import (
     BASE_MANIFEST,
     EVENTS,
-    P,
-    base_file_key,
     job_key,
     metrics_key,
     notices_key,
@@ -111,22 +109,6 @@ class ObserveOps:
     def set_base_manifest(self, manifest: dict) -> None:
         """Set last, after every file is stored: a worker that sees the manifest finds the files."""
         self.r.set(BASE_MANIFEST, json.dumps(manifest))
-
-    def put_base_file(self, content_hash: str, path: str, chunks) -> None:
-        key = base_file_key(content_hash, path)
-        self.r.delete(key)
-        for chunk in chunks:
-            self.r.rpush(key, chunk)
-
-    def base_file_chunks(self, content_hash: str, path: str):
-        """The file's chunks one round trip each (a large file never sits in memory whole)."""
-        key = base_file_key(content_hash, path)
-        for i in range(int(self.r.llen(key))):
-            yield self.r.lindex(key, i)
-
-    def delete_base_files(self, content_hash: str) -> int:
-        keys = list(self.r.scan_iter(match=f"{P}base:{content_hash}:file:*", count=1000))
-        return int(self.r.delete(*keys)) if keys else 0
 
 
 

@@ -213,13 +213,16 @@ return n
 PUBLISH = SYNC_FN + """
 -- KEYS: job, adapter(v+1), optim, trainer lease, verified, metrics, old adapter (or ''),
 --       scheduling table, active set, its change log
--- ARGV: t, config, weights, optim, metrics json, lease token, now, n_groups, g1..gn, job id
+-- ARGV: t, config, weights ref, optim ref, metrics json, lease token, now, n_groups, g1..gn, job id
+-- Returns {0} when the job is not at version t, else {1, the old adapter's ref, the previous optim ref}
+-- (the references this publish replaced; '' when none).
 local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
-if cur ~= tonumber(ARGV[1]) then return 0 end
+if cur ~= tonumber(ARGV[1]) then return {0} end
 local nv = cur + 1
 redis.call('HSET', KEYS[1], 'version', nv, 'updated', ARGV[7])
-redis.call('HSET', KEYS[2], 'config', ARGV[2], 'weights', ARGV[3])
-redis.call('HSET', KEYS[3], 'version', nv, 'data', ARGV[4])
+redis.call('HSET', KEYS[2], 'config', ARGV[2], 'ref', ARGV[3])
+local old_optim = redis.call('HGET', KEYS[3], 'ref') or ''
+redis.call('HSET', KEYS[3], 'version', nv, 'ref', ARGV[4])
 redis.call('RPUSH', KEYS[6], ARGV[5])
 local n = tonumber(ARGV[8])
 for i = 1, n do
@@ -227,11 +230,15 @@ for i = 1, n do
   redis.call('SREM', KEYS[5], g)
   redis.call('DEL', KEYS[1] .. ':roll:' .. g)
 end
-if KEYS[7] ~= '' then redis.call('DEL', KEYS[7]) end
+local old_adapter = ''
+if KEYS[7] ~= '' then
+  old_adapter = redis.call('HGET', KEYS[7], 'ref') or ''
+  redis.call('DEL', KEYS[7])
+end
 local lease = redis.call('GET', KEYS[4])
 if lease and string.find(lease, ARGV[6], 1, true) then redis.call('DEL', KEYS[4]) end
 sync_row(KEYS[8], KEYS[9], KEYS[10], KEYS[1], ARGV[9 + n])
-return 1
+return {1, old_adapter, old_optim}
 """
 
 ACCEPT_REWARDS = """

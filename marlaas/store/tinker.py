@@ -42,6 +42,7 @@ import time
 
 from marlaas.adapters import default_alpha
 from marlaas.errors import Gone, NotFound, SpecError
+from marlaas.store.artifacts import Ref
 from marlaas.store.keys import TK, WAKE, future_key, model_key, queue_key, sampler_key, session_key, session_models_key
 from marlaas.store.tinker_weights import TinkerWeights
 
@@ -175,10 +176,12 @@ class TinkerStore(TinkerWeights):
                    result: dict | None = None) -> str:
         """A future; with `result` it is done at once, else pending (queued by the caller)."""
         rid = self._id("r")
+        suffix, text = self.store.spill(tenant, json.dumps(body or {}))
         mapping = {"tenant": tenant, "kind": kind, "model": model, "seq": seq, "created": time.time(),
-                   "body": json.dumps(body or {}), "status": "pending" if result is None else "done"}
+                   "body" + suffix: text, "status": "pending" if result is None else "done"}
         if result is not None:
-            mapping["result"] = json.dumps(result)
+            suffix, text = self.store.spill(tenant, json.dumps(result))
+            mapping["result" + suffix] = text
         p = self.r.pipeline()
         p.hset(future_key(rid), mapping=mapping)
         if result is not None:
@@ -191,7 +194,7 @@ class TinkerStore(TinkerWeights):
         h = self._owned(future_key(rid), tenant, f"request {rid!r}")
         out = {"status": h["status"], "kind": h["kind"], "model": h.get("model") or "", "created": float(h["created"])}
         if h["status"] == "done":
-            out["result"] = json.loads(h["result"])
+            out["result"] = json.loads(self.store.unspill(h, "result"))
         elif h["status"] == "failed":
             out["error"], out["category"] = h.get("error") or "failed", h.get("category") or "unknown"
         return out
@@ -200,19 +203,24 @@ class TinkerStore(TinkerWeights):
         """A pending request's {kind, model, seq, tenant, body} (workers)."""
         h = self._owned(future_key(rid), None, f"request {rid!r}")
         return {"kind": h["kind"], "model": h.get("model") or "", "seq": int(h.get("seq") or 0),
-                "tenant": h["tenant"], "status": h["status"], "body": json.loads(h.get("body") or "{}")}
+                "tenant": h["tenant"], "status": h["status"], "body": json.loads(self.store.unspill(h, "body") or "{}")}
 
     def _end(self, rid: str, mapping: dict) -> None:
-        if _s(self.r.hget(future_key(rid), "status")) != "pending":
+        status, body_ref = (_s(x) for x in self.r.hmget(future_key(rid), "status", "body_ref"))
+        if status != "pending":
             return  # written once: a cancelled or released future keeps its first end
         p = self.r.pipeline()
         p.hset(future_key(rid), mapping=mapping)
-        p.hdel(future_key(rid), "body")
+        p.hdel(future_key(rid), "body", "body_ref")
         p.expire(future_key(rid), FUTURE_TTL_S)
         p.execute()
+        if body_ref:
+            self.store.drop([Ref.parse(body_ref)])
 
     def finish(self, rid: str, result: dict) -> None:
-        self._end(rid, {"status": "done", "result": json.dumps(result)})
+        tenant = _s(self.r.hget(future_key(rid), "tenant"))
+        suffix, text = self.store.spill(tenant, json.dumps(result))
+        self._end(rid, {"status": "done", "result" + suffix: text})
 
     def fail(self, rid: str, error: str, category: str = "user") -> None:
         self._end(rid, {"status": "failed", "error": error, "category": category})

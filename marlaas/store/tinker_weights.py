@@ -2,8 +2,13 @@
 whose docstring holds the key schema): live state, save_state checkpoints, sampler snapshots, their TTLs
 and deletion.
 
+The bytes are objects of the artifact store under `t/{tenant}/tinker/{model}` (marlaas/store/blobs.py);
+the Redis hashes hold their references.
+
 Invariants: an expired checkpoint reads as a missing one and is deleted when read; its Redis keys carry
-the same TTL, so its bytes go even if never read; a deleted checkpoint's bytes are deleted with it.
+the same TTL, so its reference goes even if never read (the sweep then deletes the orphaned object); a
+deleted checkpoint's bytes are deleted with it, unless another reference of the model names the same
+bytes (`Store.tinker_live_keys`): a state saved from unchanged weights shares the live state's object.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import json
 import time
 
 from marlaas.errors import NotFound
+from marlaas.store.blobs import ref_or_none, tinker_owner
 from marlaas.store.keys import adapter_key, ckpt_key, live_key, model_key, state_key, ttl_key
 from marlaas.types import AdapterBlob
 
@@ -24,16 +30,32 @@ class TinkerWeights:
     """Needs `self.r` (Redis) and `self.model(tenant, mid)` (NotFound unless the tenant owns it)."""
 
     r: object
+    store: object  # the marlaas.store.Store: its artifact store and accounting (put_blob, blob, drop)
 
     def model(self, tenant: str | None, mid: str) -> dict[str, str]:
         raise NotImplementedError
 
+    def _owner(self, mid: str) -> str:
+        return tinker_owner(_s(self.r.hget(model_key(mid), "tenant")), mid)
+
+    def _put_pair(self, mid: str, weights: bytes, optimizer: bytes) -> dict[str, str]:
+        owner = self._owner(mid)
+        put = self.store.put_blob
+        return {"weights": str(put(owner, weights)), "optimizer": str(put(owner, optimizer))}
+
+    def _pair(self, key: str) -> tuple[bytes, bytes] | None:
+        w, o = self.r.hmget(key, "weights", "optimizer")
+        return (self.store.blob(w), self.store.blob(o)) if w is not None and o is not None else None
+
     def put_live(self, mid: str, weights: bytes, optimizer: bytes) -> None:
-        self.r.hset(live_key(mid), mapping={"weights": weights, "optimizer": optimizer})
+        """The model's state after an op; the objects of the state it replaced are dropped."""
+        old = self.r.hmget(live_key(mid), "weights", "optimizer")
+        self.r.hset(live_key(mid), mapping=self._put_pair(mid, weights, optimizer))
+        if any(old):
+            self.store.drop([ref_or_none(x) for x in old], keep=self.store.tinker_live_keys(mid))
 
     def live(self, mid: str) -> tuple[bytes, bytes] | None:
-        w, o = self.r.hmget(live_key(mid), "weights", "optimizer")
-        return (w, o) if w is not None else None
+        return self._pair(live_key(mid))
 
     def want_ttl(self, mid: str, ck: str, ttl_s: int | None) -> None:
         """The TTL the client asked for checkpoint `ck` (applied when the op stores it; None: none)."""
@@ -57,8 +79,9 @@ class TinkerWeights:
 
     def put_state(self, mid: str, name: str, weights: bytes, optimizer: bytes) -> str:
         ck = f"weights/{name}"
+        refs = self._put_pair(mid, weights, optimizer)
         p = self.r.pipeline()
-        p.hset(state_key(mid, name), mapping={"weights": weights, "optimizer": optimizer})
+        p.hset(state_key(mid, name), mapping=refs)
         self._record(p, mid, ck, {"type": "training", "time": time.time(), "size": len(weights) + len(optimizer)},
                      state_key(mid, name))
         p.execute()
@@ -77,16 +100,17 @@ class TinkerWeights:
 
     def state(self, tenant: str | None, mid: str, name: str) -> tuple[bytes, bytes]:
         self.model(tenant, mid)
-        w, o = self.r.hmget(state_key(mid, name), "weights", "optimizer")
-        if w is None or self._entry(mid, f"weights/{name}") is None:
+        pair = self._pair(state_key(mid, name))
+        if pair is None or self._entry(mid, f"weights/{name}") is None:
             raise NotFound(f"no checkpoint 'tinker://{mid}/weights/{name}'")
-        return w, o
+        return pair
 
     def put_sampler_weights(self, mid: str, blob: AdapterBlob, name: str | None) -> int:
         """Store a sampler snapshot as adapter version v of `mid` (served like a job's); returns v."""
+        ref = self.store.put_blob(self._owner(mid), blob.weights)
         v = int(self.r.hincrby(model_key(mid), "sampler_v", 1))
         p = self.r.pipeline()
-        p.hset(adapter_key(mid, v), mapping={"config": json.dumps(blob.config), "weights": blob.weights})
+        p.hset(adapter_key(mid, v), mapping={"config": json.dumps(blob.config), "ref": str(ref)})
         if name is not None:
             self._record(p, mid, f"sampler_weights/{name}",
                          {"type": "sampler", "time": time.time(), "size": len(blob.weights), "version": v},
@@ -141,8 +165,11 @@ class TinkerWeights:
         return state_key(mid, name) if kind == "weights" else adapter_key(mid, int(meta["version"]))
 
     def _delete(self, mid: str, ck: str, meta: dict) -> None:
+        data = self._data_key(mid, ck, meta)
+        refs = [ref_or_none(x) for x in self.r.hmget(data, "weights", "optimizer", "ref")]
         p = self.r.pipeline()
         p.hdel(ckpt_key(mid), ck)
         p.hdel(ttl_key(mid), ck)
-        p.delete(self._data_key(mid, ck, meta))
+        p.delete(data)
         p.execute()
+        self.store.drop(refs, keep=self.store.tinker_live_keys(mid))

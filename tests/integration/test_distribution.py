@@ -14,7 +14,6 @@ from marlaas.base import distribution
 from marlaas.errors import BaseModelError
 from marlaas.settings import Settings
 from marlaas.spec import JobSpec
-from marlaas.store import base_file_key
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,17 +54,18 @@ def test_manifest_of(tmp_path):
 
 # ---------------------------------------------------------------- integration (real Redis)
 @pytest.mark.integration
-def test_push_then_fetch_in_chunks(st, tmp_path, monkeypatch):
-    monkeypatch.setattr(distribution, "CHUNK_BYTES", 300)
+def test_push_then_fetch_through_the_artifact_store(st, tmp_path):
     src = fake_model(tmp_path / "base", weights=os.urandom(1000))
     m = distribution.push(st, src)
-    assert st.r.llen(base_file_key(m["hash"], "model.safetensors")) == 4  # 300+300+300+100
+    stored = {o.key: o.size for o in st.artifacts.list(f"base/{m['hash']}/")}
+    assert stored == {f"base/{m['hash']}/{v['sha256']}": v["size"] for v in m["files"].values()}
+    assert [k for k in st.r.scan_iter(match="m:base:*")] == [b"m:base:manifest"]  # no bytes in Redis
     got = distribution.fetch(st, tmp_path / "hostA" / "cache")
     assert got == tmp_path / "hostA" / "cache" / m["hash"]
     for rel in m["files"]:
         assert (got / rel).read_bytes() == (src / rel).read_bytes()
-    # the cache is reused: with the blobs gone from Redis, a second fetch still answers
-    st.delete_base_files(m["hash"])
+    # the cache is reused: with the objects gone, a second fetch still answers
+    st.drop_prefix(f"base/{m['hash']}/")
     assert distribution.fetch(st, tmp_path / "hostA" / "cache") == got
     # nothing left behind but the one directory
     assert [p.name for p in (tmp_path / "hostA" / "cache").iterdir()] == [m["hash"]]
@@ -75,7 +75,8 @@ def test_push_then_fetch_in_chunks(st, tmp_path, monkeypatch):
 def test_corrupt_blob_is_refused_and_leaves_no_cache(st, tmp_path):
     src = fake_model(tmp_path / "base")
     m = distribution.push(st, src)
-    st.r.lset(base_file_key(m["hash"], "model.safetensors"), 0, b"x" * 1000)
+    ref = m["files"]["model.safetensors"]["ref"]
+    (st.artifacts.root / ref.split("#")[0]).write_bytes(b"x" * 1000)
     cache = tmp_path / "cache"
     with pytest.raises(BaseModelError, match="model.safetensors arrived with sha256"):
         distribution.fetch(st, cache)
@@ -118,16 +119,8 @@ def test_one_base_per_deployment(st, tmp_path):
     st.r.srem("m:jobs:active", jid)
     b = distribution.push(st, b_dir, replace=True)
     assert st.base_manifest()["hash"] == b["hash"] != a["hash"]
-    assert st.r.exists(base_file_key(a["hash"], "config.json")) == 0
-    assert st.r.exists(base_file_key(b["hash"], "config.json")) == 1
-
-
-@pytest.mark.integration
-def test_too_large_for_redis_stores_nothing(st, tmp_path):
-    with pytest.raises(BaseModelError, match="push it with --url"):
-        distribution.push(st, fake_model(tmp_path / "big"), max_bytes=500)
-    assert st.base_manifest() is None
-    assert list(st.r.scan_iter(match="m:base:*")) == []
+    assert list(st.artifacts.list(f"base/{a['hash']}/")) == []  # the replaced base's objects are gone
+    assert len(list(st.artifacts.list(f"base/{b['hash']}/"))) == 3
 
 
 @pytest.mark.integration
@@ -160,7 +153,9 @@ def test_local_base_choice(st, tmp_path):
 
 
 def _cli(args, url, home):
-    env = {**os.environ, "MARLAAS_REDIS_URL": url, "MARLAAS_HOME": str(home)}
+    # every "host" has its own home; they share one artifact store (S3 on real hosts)
+    env = {**os.environ, "MARLAAS_REDIS_URL": url, "MARLAAS_HOME": str(home),
+           "MARLAAS_ARTIFACTS": f"file://{home.parent / 'artifacts-shared'}"}
     env.pop("MARLAAS_BASE", None)
     return subprocess.run([sys.executable, "-m", "marlaas.cli", *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

@@ -7,7 +7,7 @@ from marlaas.api.client import Client
 from marlaas.api.tenancy import Quotas, add_tenant, hash_token
 from marlaas.errors import Forbidden, NotFound, SpecError
 from marlaas.store import Store
-from marlaas.types import AdapterBlob
+from marlaas.types import AdapterBlob, AdapterRef
 
 pytestmark = pytest.mark.integration
 
@@ -152,25 +152,28 @@ def test_a_full_store_collects_ended_jobs_leftovers_before_refusing(url, monkeyp
     import time
 
     from marlaas.settings import get_settings
-    from marlaas.store import adapter_key, optim_key
+    from marlaas.store import adapter_key, optim_key, rows_key
 
     store = Store(url)
     old = store.create_job(spec(steps=3, eval_every=0), [{"prompt": "sort:1=", "answer": "1"}] * 4,
                            [{"prompt": "sort:1=", "answer": "1"}])
     cap = store.memory_use()[1]
-    # A real model's adapter versions and optimizer state: megabytes each. The server is shared with
-    # the session's worker stack (DB 0) and other tests' leftovers, so its used_memory moves with their
+    # Adapters and optimizer states are objects of the artifact store, not Redis values; what fills
+    # Redis is a job's rows and rollouts (here 96 rows of ~1 MiB). The server is shared with the
+    # session's worker stack (DB 0) and other tests' leftovers, so its used_memory moves with their
     # traffic: the admission line is drawn 48 MiB below the use measured just before the submit (not
-    # relative to a reading taken before the writes), and collecting the 96 MiB of data must bring
-    # the use 48 MiB under it.
-    big = bytes(32 << 20)
+    # relative to a reading taken before the writes), and collecting the 96 MiB must bring the use 48
+    # MiB under it.
     for t in range(3):
-        store.publish(old, t, AdapterBlob({"r": 4}, big if t < 2 else b"final"), big if t == 2 else b"opt",
-                      {"step": t + 1}, "x", [], 3, 0)
+        store.publish(old, t, AdapterBlob({"r": 4}, b"w%d" % t), b"opt%d" % t, {"step": t + 1}, "x", [], 3, 0)
+    refs = {v: store.adapter_ref(AdapterRef(old, v)) for v in (1, 2, 3)}
+    row = b"x" * ((1 << 20) - 4096)
+    for _ in range(12):
+        store.r.rpush(rows_key(old, "train"), *[row] * 8)
     store.set_status(old, "done")
     store.r.connection_pool.disconnect()  # Redis counts a connection's last query buffer (~ one write)
     used1, _ = store.memory_use()
-    held = sum(store.r.memory_usage(k) or 0 for k in (adapter_key(old, 1), adapter_key(old, 2), optim_key(old)))
+    held = store.r.memory_usage(rows_key(old, "train"), samples=0) or 0
     assert held > (90 << 20)  # the 96 MiB are in the store, whatever else its use did meanwhile
     line = used1 - (48 << 20)
     monkeypatch.setattr(get_settings(), "admission_memory_fraction", line / cap)
@@ -178,6 +181,9 @@ def test_a_full_store_collects_ended_jobs_leftovers_before_refusing(url, monkeyp
     t0 = time.time()
     job = Client(url).submit(spec())
     assert job.id in store.job_ids() and time.time() - t0 < 60
-    assert not store.r.exists(adapter_key(old, 1), adapter_key(old, 2), optim_key(old))
+    assert not store.r.exists(adapter_key(old, 1), adapter_key(old, 2), optim_key(old), rows_key(old, "train"))
     assert store.r.exists(adapter_key(old, 3)) and store.job(old).extra["collected"] == "1"
+    # the collected versions' objects went with their references; the final one stays downloadable
+    assert not store.artifacts.exists(refs[1]) and not store.artifacts.exists(refs[2])
+    assert store.adapter(AdapterRef(old, 3)).weights == b"w2"
     assert store.memory_use()[0] < line
