@@ -42,15 +42,15 @@ from pathlib import Path
 
 from marlaas.errors import ArtifactError
 
-_SEG = re.compile(r"^[A-Za-z0-9_.@:-]{1,200}$")
-_SHA = re.compile(r"^[0-9a-f]{64}$")
+_SEG = re.compile(r"[A-Za-z0-9_.@:-]{1,200}")
+_SHA = re.compile(r"[0-9a-f]{64}")
 CHUNK = 8 * 1024 * 1024
 
 
 def check_owner(owner: str) -> str:
     """The owner prefix if every segment is safe (ValueError otherwise)."""
     segs = owner.split("/")
-    if not owner or any(not _SEG.match(s) or s in (".", "..") for s in segs):
+    if not owner or any(not _SEG.fullmatch(s) or s in (".", "..") for s in segs):
         raise ValueError(f"invalid artifact owner {owner!r}")
     return owner
 
@@ -81,7 +81,7 @@ class Ref:
         key, _, size = s.rpartition("#")
         owner, _, sha = key.rpartition("/")
         try:
-            if not _SHA.match(sha) or not size.isdigit():
+            if not _SHA.fullmatch(sha) or not size.isdigit():
                 raise ValueError
             check_owner(owner)
         except ValueError:
@@ -247,7 +247,7 @@ class LocalArtifacts(Artifacts):
         for dirpath, dirnames, filenames in os.walk(base):
             dirnames[:] = [d for d in dirnames if d != ".tmp"]
             for name in filenames:
-                if not _SHA.match(name):
+                if not _SHA.fullmatch(name):
                     continue
                 p = Path(dirpath) / name
                 try:
@@ -362,7 +362,7 @@ class S3Artifacts(Artifacts):
         while (page := self._call(f"list {want or '/'}", None, next, pages, None)) is not None:
             for o in page.get("Contents", []):
                 key = o["Key"][strip:]
-                if _SHA.match(key.rsplit("/", 1)[-1]):
+                if _SHA.fullmatch(key.rsplit("/", 1)[-1]):
                     yield Listed(key, int(o["Size"]), o["LastModified"].timestamp())
 
 
