@@ -36,6 +36,7 @@ task_routes = {
     "marlaas.verify_many": {"queue": "verify"},
     "marlaas.train": {"queue": "train"},
     "marlaas.tick": {"queue": "control"},
+    "marlaas.sweep": {"queue": "control"},
     "marlaas.tinker_train": {"queue": "train"},
     "marlaas.tinker_sample": {"queue": "generate"},
 }
@@ -55,6 +56,7 @@ task_annotations = {
 
 beat_schedule = {
     "tick": {"task": "marlaas.tick", "schedule": 1.0, "options": {"expires": 5.0}},
+    "sweep": {"task": "marlaas.sweep", "schedule": 600.0, "options": {"expires": 300.0}},  # tasks.scheduler
 }
 
 # Celery remote control (broadcast commands such as shutdown or cancel_consumer to every worker) is

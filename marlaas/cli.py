@@ -11,7 +11,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from marlaas.errors import MarlaasError
+from marlaas.errors import MarlaasError, NotFound
 from marlaas.types import TERMINAL_STATUSES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Multi-tenant asynchronous RL fine-tuning.")
@@ -373,6 +373,7 @@ def tenant_add(
     max_group_size: int = typer.Option(64, min=2),
     max_prompts_per_step: int = typer.Option(256, min=1),
     weight: float = typer.Option(1.0, min=0.01, max=100.0, help="The tenant's share of the trainer."),
+    storage_gb: float = typer.Option(20.0, min=0.0, help="Bytes it may keep in the artifact store, in GiB."),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Register a tenant and print its API token (shown once; clients pass it as MARLAAS_TOKEN).
@@ -384,9 +385,25 @@ def tenant_add(
     store.check()
     token = tenancy.add_tenant(store, name, tenancy.Quotas(
         max_active_jobs=max_active_jobs, max_steps=max_steps, max_group_size=max_group_size,
-        max_prompts_per_step=max_prompts_per_step, weight=weight))
+        max_prompts_per_step=max_prompts_per_step, weight=weight, storage_bytes=int(storage_gb * 2**30)))
     if not _emit({"tenant": name, "token": token}, as_json):
         console.print(f"tenant {name} added; its token (shown once): {token}", markup=False, highlight=False)
+
+
+@tenant_app.command("remove")
+def tenant_remove(name: str, as_json: bool = typer.Option(False, "--json")):
+    """Delete a tenant with no active job: its token, jobs, checkpoints, uploads and every byte it
+    stored; prints the bytes freed. Operator tooling, like `tenant add`."""
+    from marlaas.store import Store
+
+    store = Store()
+    store.check()
+    if store.tenant(name) is None:
+        raise NotFound(f"no tenant {name!r}")
+    out = {"tenant": name, **store.delete_tenant(name)}
+    if not _emit(out, as_json):
+        console.print(f"tenant {name} removed: {out['jobs']} job(s), {out['bytes_freed']} bytes freed",
+                      markup=False, highlight=False)
 
 
 def _f(x) -> str:

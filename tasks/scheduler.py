@@ -1,9 +1,13 @@
-"""The scheduler tick: beat sends it every second; every finished task kicks one."""
+"""The scheduler tick: beat sends it every second; every finished task kicks one. The artifact store's
+sweep (orphaned objects, per-tenant stored bytes recounted): beat sends it every SWEEP_EVERY_S."""
 
 from marlaas.control import dispatch
+from marlaas.settings import get_settings
 from tasks import tinker
 from tasks.app import app
 from tasks.common import send, store, tick_config
+
+SWEEP_EVERY_S = 600.0
 
 
 @app.task(name="marlaas.tick", ignore_result=True, acks_late=False)
@@ -18,3 +22,8 @@ def tick() -> dict:
         "train": plan.train,
         "tinker": plan.tinker,
     }
+
+
+@app.task(name="marlaas.sweep", ignore_result=True, acks_late=False)
+def sweep() -> dict:
+    return store().sweep_once(grace_s=get_settings().artifact_grace_s, lock_s=SWEEP_EVERY_S)

@@ -158,6 +158,45 @@ class TenantIn(BaseModel):
     """Its limits; default: the standard quotas."""
 
 
+class TenantDeleted(BaseModel):
+    """A deleted tenant."""
+
+    tenant: str
+    """Its name."""
+    jobs: int
+    """Its jobs deleted."""
+    bytes_freed: int
+    """Bytes freed in the artifact store."""
+
+
+class Usage(BaseModel):
+    """A tenant's use of its plan."""
+
+    tenant: str
+    """The tenant."""
+    stored_bytes: int
+    """Bytes it keeps in the artifact store: adapter versions, optimizer states, checkpoints, uploads."""
+    storage_bytes: int
+    """Its plan's bound on them (new jobs, uploads and checkpoints are refused at or past it)."""
+    active_jobs: int
+    """Its jobs that have not ended."""
+    max_active_jobs: int
+    """Its plan's bound on them."""
+    quotas: dict
+    """Its whole plan."""
+
+
+class JobDeleted(BaseModel):
+    """A deleted job."""
+
+    id: str
+    """The job's id."""
+    deleted: bool
+    """Always true."""
+    bytes_freed: int
+    """Bytes freed in the artifact store."""
+
+
 class TenantOut(BaseModel):
     """A registered tenant and its token (shown once, stored hashed)."""
 

@@ -32,6 +32,7 @@ import hmac
 import os
 import re
 import secrets
+import shutil
 import stat
 from collections.abc import Iterable
 from pathlib import Path
@@ -109,7 +110,30 @@ class Service:
             raise Forbidden("only the operator credential can add tenants")
         return tenancy.add_tenant(self.store, name, tenancy.Quotas(**(quotas or {})))
 
+    def usage(self, principal: Principal, tenant: str | None = None) -> dict:
+        """The caller's use of its plan (stored bytes, active jobs); the operator names a tenant."""
+        name = tenant if principal.operator else principal.tenant
+        if name is None or (principal.operator and self.store.tenant(name) is None):
+            raise NotFound(f"no tenant {tenant!r}" if principal.operator else "single-user mode has no plan")
+        return tenancy.usage(self.store, name)
+
+    def delete_tenant(self, principal: Principal, name: str) -> dict:
+        """Delete a tenant with no active job and everything it stored (operator only)."""
+        if not principal.operator:
+            raise Forbidden("only the operator credential can delete tenants")
+        if self.store.tenant(name) is None:
+            raise NotFound(f"no tenant {name!r}")
+        out = {"tenant": name, **self.store.delete_tenant(name)}
+        shutil.rmtree(self.files_dir / name, ignore_errors=True)  # this host's copies of its uploads
+        return out
+
     # ---------------------------------------------------------------- jobs
+    def delete(self, principal: Principal, job_id: str) -> dict:
+        """Delete an ended job with its adapters, states and data (Conflict while it runs); returns the
+        bytes freed in the artifact store."""
+        self.record(principal, job_id)
+        return {"id": job_id, "deleted": True, "bytes_freed": self.store.delete_job(job_id)}
+
     def record(self, principal: Principal, job_id: str) -> JobRecord:
         """The job if the caller may see it; another tenant's job is not found, with the same message."""
         return access.job(self.store, principal.tenant, job_id)
@@ -228,9 +252,12 @@ class Service:
 
     # ---------------------------------------------------------------- files
     def put_file(self, tenant: str, stream: Iterable[bytes], limit: int, filename: str | None = None) -> str:
-        """Store an uploaded JSONL or parquet file under $MARLAAS_HOME/files/<tenant>/ and return its id.
-        The size is checked while streaming (TooLarge past `limit`, nothing kept); the file must parse
-        as rows (objects); field names are checked when a job uses it."""
+        """Store an uploaded JSONL or parquet file and return its id: an object of the artifact store
+        (counted in the tenant's stored bytes), recorded in the store, with a copy in this host's
+        $MARLAAS_HOME/files/<tenant>/ (another API host fetches its own copy on first use). The size is
+        checked while streaming (TooLarge past `limit`, nothing kept); the file must parse as rows
+        (objects); field names are checked when a job uses it."""
+        tenancy.check_storage(self.store, None if tenant == "default" else tenant)
         d = self.files_dir / tenant
         d.mkdir(parents=True, exist_ok=True)
         fid = "file-" + secrets.token_hex(12)
@@ -261,6 +288,7 @@ class Service:
             path.unlink(missing_ok=True)
             path.with_suffix(NAME_SUFFIX).unlink(missing_ok=True)
             raise
+        self.store.put_file_record(tenant, fid, path, kind, filename)
         return fid
 
     def file_namespace(self, principal: Principal) -> str:
@@ -280,6 +308,12 @@ class Service:
                 p = self.files_dir / namespace / f"{file_id}.{kind}"
                 if p.is_file():
                     return p
+            rec = self.store.file_record(namespace, file_id)  # uploaded through another API host
+            if rec is not None:
+                p = self.files_dir / namespace / f"{file_id}.{rec['kind']}"
+                self.store.fetch_file(rec, p)
+                remember_name(p, rec.get("name"))
+                return p
         raise NotFound(f"no file {file_id!r}")
 
 

@@ -15,7 +15,7 @@ import secrets
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from marlaas.errors import Forbidden, SpecError
+from marlaas.errors import Forbidden, SpecError, StorageQuotaExceeded
 from marlaas.spec import JobSpec
 from marlaas.types import eval_versions
 from marlaas.verify.grader_fields import ref_of
@@ -53,6 +53,10 @@ class Quotas(BaseModel):
     """Largest row (prompt, answer and any fields, as JSON)."""
     max_dataset_bytes: int = Field(64 << 20, ge=1024)
     """Largest dataset (training plus held-out rows, as JSON)."""
+    storage_bytes: int = Field(20 << 30, ge=0)
+    """Bytes the tenant keeps in the artifact store (adapter versions, optimizer states, Tinker
+    checkpoints, uploads): at or past it, new jobs, uploads and Tinker checkpoints are refused (413)
+    until it deletes ended jobs (`DELETE /v1/jobs/{id}`) or checkpoints. Running jobs keep going."""
 
 
 def hash_token(token: str) -> str:
@@ -88,6 +92,26 @@ def plan_of(store, tenant: str | None) -> Quotas:
     return Quotas(**((store.tenant(tenant) or {}).get("quotas", {}) if tenant is not None else {}))
 
 
+def check_storage(store, tenant: str | None) -> None:
+    """StorageQuotaExceeded when the tenant's stored bytes reached its plan's `storage_bytes` (no bound
+    in single-user mode: the machine is the user's)."""
+    if tenant is None:
+        return
+    used, limit = store.stored_bytes(tenant), plan_of(store, tenant).storage_bytes
+    if used >= limit:
+        raise StorageQuotaExceeded(
+            f"over quota: tenant {tenant!r} stores {used} bytes (plan: {limit}); delete ended jobs "
+            f"(DELETE /v1/jobs/ID) or checkpoints to free some")
+
+
+def usage(store, tenant: str) -> dict:
+    """What the tenant uses of its plan: stored bytes and active jobs, next to their bounds."""
+    q = plan_of(store, tenant)
+    return {"tenant": tenant, "stored_bytes": store.stored_bytes(tenant), "storage_bytes": q.storage_bytes,
+            "active_jobs": store.count_active(tenant), "max_active_jobs": q.max_active_jobs,
+            "quotas": q.model_dump()}
+
+
 def check_submit(store, tenant: str | None, spec: JobSpec) -> JobSpec:
     """The spec as the caller may submit it (tenant filled in, trainer weight from the plan), or a
     one-line refusal naming the quota."""
@@ -114,6 +138,7 @@ def check_submit(store, tenant: str | None, spec: JobSpec) -> JobSpec:
     ):
         if value > limit:
             raise SpecError(f"over quota: {field} {value} > {limit} for {who}")
+    check_storage(store, tenant)
     if tenant is not None:
         active = store.count_active(tenant)
         if active >= q.max_active_jobs:

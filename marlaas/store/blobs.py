@@ -18,10 +18,11 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import time
 
 from marlaas.store.artifacts import Artifacts, Listed, Ref
-from marlaas.store.keys import adapter_key, ckpt_key, live_key, model_key, state_key, stored_key
+from marlaas.store.keys import SWEEP_LOCK, adapter_key, ckpt_key, files_key, live_key, model_key, state_key, stored_key
 
 INLINE_MAX = 256 * 1024
 """A Tinker payload up to this many bytes stays in its Redis hash; a larger one becomes an object."""
@@ -120,6 +121,22 @@ class BlobOps:
             return self.blob(h[field + "_ref"]).decode()
         return h.get(field)
 
+    # ---------------------------------------------------------------- uploaded files
+    def put_file_record(self, tenant: str, fid: str, path, kind: str, name: str | None) -> None:
+        """An upload as an object of the tenant's, then its record (file id -> reference)."""
+        ref = self.put_blob_file(files_owner(tenant), path)
+        self.r.hset(files_key(tenant_part(tenant)), fid, json.dumps({"ref": str(ref), "kind": kind, "name": name}))
+
+    def file_record(self, tenant: str, fid: str) -> dict | None:
+        raw = self.r.hget(files_key(tenant_part(tenant)), fid)
+        return json.loads(raw) if raw is not None else None
+
+    def fetch_file(self, rec: dict, dest) -> None:
+        self.artifacts.fetch_to(Ref.parse(rec["ref"]), dest)
+
+    def file_live_keys(self, tenant: str) -> set[str]:
+        return {Ref.parse(json.loads(v)["ref"]).key for v in self.r.hvals(files_key(tenant))}
+
     # ---------------------------------------------------------------- garbage collection
     def live_keys(self, owner: str) -> set[str] | None:
         """Object keys a reference of `owner` names (None: every object of this owner is kept)."""
@@ -147,6 +164,15 @@ class BlobOps:
         for v in range(1, int(raw_v or 0) + 1):
             p.hmget(adapter_key(mid, v), "ref")
         return {Ref.parse(x).key for row in p.execute() for x in row if x}
+
+    def sweep_once(self, grace_s: float, lock_s: float) -> dict:
+        """`sweep` unless another process is sweeping (one at a time, however many control workers)."""
+        if not self.r.set(SWEEP_LOCK, "1", nx=True, ex=max(1, int(lock_s))):
+            return {"skipped": "another sweep runs"}
+        try:
+            return self.sweep(grace_s=grace_s)
+        finally:
+            self.r.delete(SWEEP_LOCK)
 
     def sweep(self, now: float | None = None, grace_s: float = 3600.0, tmp_age_s: float = 2 * 86400.0,
               prefix: str = "") -> dict:

@@ -27,6 +27,7 @@ from marlaas.store.keys import (
     adapter_key,
     ckpt_key,
     eval_key,
+    files_key,
     job_key,
     lease_index_key,
     live_key,
@@ -110,8 +111,7 @@ class HygieneOps:
         if self.r.scard(tenant_active_key(name)):
             raise Conflict(f"tenant {name!r} has active jobs: cancel them first")
         jobs = [x.decode() for x in self.r.smembers(tenant_key(name))]
-        for jid in jobs:
-            self.delete_job(jid)
+        freed = sum(self.delete_job(jid) for jid in jobs)
         from marlaas.store.tinker import TinkerStore
 
         for mid in TinkerStore(self).models(name):
@@ -124,8 +124,9 @@ class HygieneOps:
         if rec is not None:
             p.hdel(TOKENS, json.loads(rec)["token_sha256"])
         p.hdel(TENANTS, name)
-        p.delete(tenant_key(name), tenant_active_key(name), stored_key(tenant_part(name)))
+        p.delete(tenant_key(name), tenant_active_key(name), stored_key(tenant_part(name)),
+                 files_key(tenant_part(name)))
         p.execute()
-        freed = self.drop_prefix(f"t/{tenant_part(name)}/")
+        freed += self.drop_prefix(f"t/{tenant_part(name)}/")
         self.r.delete(stored_key(tenant_part(name)))
         return {"jobs": len(jobs), "bytes_freed": freed}

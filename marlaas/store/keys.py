@@ -25,6 +25,7 @@ TENANTS = P + "tenants"
 TOKENS = P + "tokens"
 WORKERS = P + "workers"
 BASE_MANIFEST = P + "base:manifest"
+SWEEP_LOCK = P + "sweep:lock"  # one artifact sweep at a time (marlaas/store/blobs.py)
 ENDED = P + "jobs:ended"  # zset job -> when it ended (garbage collection after the retention period)
 
 

@@ -429,3 +429,35 @@ def test_tiny_job_over_http(worker_stack, tmp_path):
             assert cfg["peft_type"] == "LORA"
     finally:
         srv.stop()
+
+
+# ---------------------------------------------------------------- stored bytes (the artifact store)
+def test_stored_bytes_are_visible_bounded_and_freed_by_deleting_a_job(two, st):
+    _, c, op = two
+    ja = c["alice"].post("/v1/jobs", json=SPEC).json()["id"]
+    jb = c["bob"].post("/v1/jobs", json=SPEC).json()["id"]
+    u0 = c["alice"].get("/v1/usage").json()
+    st.publish(ja, 0, AdapterBlob(config={"r": 4}, weights=b"w" * 5000), b"o" * 3000, {"step": 1}, "t", [], 2)
+    u = c["alice"].get("/v1/usage").json()
+    assert u["stored_bytes"] - u0["stored_bytes"] == 8000 and u["active_jobs"] == 1
+    assert u["storage_bytes"] == u["quotas"]["storage_bytes"] > 0
+    # a running job is not deleted; another tenant's job answers as a missing one
+    assert "cancel it first" in err(c["alice"].delete(f"/v1/jobs/{ja}"), 409, "Conflict")
+    assert err(c["alice"].delete(f"/v1/jobs/{jb}"), 404, "NotFound") == f"no job {jb!r}"
+    c["alice"].post(f"/v1/jobs/{ja}/cancel")
+    r = c["alice"].delete(f"/v1/jobs/{ja}")
+    assert r.status_code == 200 and r.json() == {"id": ja, "deleted": True, "bytes_freed": 8000}
+    err(c["alice"].get(f"/v1/jobs/{ja}"), 404, "NotFound")
+    assert c["alice"].get("/v1/usage").json()["stored_bytes"] == u0["stored_bytes"]
+    # the operator reads any tenant's use; past its plan a tenant is refused up front with 413
+    assert c["op"].get("/v1/usage", params={"tenant": "bob"}).json()["tenant"] == "bob"
+    rec = st.tenant("alice")
+    st.r.hset("m:tenants", "alice", json.dumps({**rec, "quotas": {**rec["quotas"], "storage_bytes": 0}}))
+    msg = err(c["alice"].post("/v1/jobs", json=SPEC), 413, "StorageQuotaExceeded")
+    assert "over quota: tenant 'alice' stores" in msg and "DELETE /v1/jobs/ID" in msg
+    err(c["alice"].post("/v1/files", content=b'{"prompt": "p", "answer": "a"}\n'), 413, "StorageQuotaExceeded")
+    # the operator deletes a tenant and what it stored
+    assert "only the operator" in err(c["bob"].delete("/v1/tenants/alice"), 403, "Forbidden")
+    r = c["op"].delete("/v1/tenants/alice")
+    assert r.status_code == 200 and r.json()["tenant"] == "alice" and st.tenant("alice") is None
+    err(c["alice"].get("/v1/usage"), 401, "Unauthorized")

@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from marlaas.api import preflight
 from marlaas.api.access import Principal
 from marlaas.api.deps import Caller, service
-from marlaas.api.models import CheckpointList, EventPage, JobList, JobOut
+from marlaas.api.models import CheckpointList, EventPage, JobDeleted, JobList, JobOut
 from marlaas.api.service import Service
 from marlaas.errors import MarlaasError, SpecError
 from marlaas.types import TERMINAL_STATUSES
@@ -57,6 +57,13 @@ def list_jobs(tenant: str | None = Query(None, description="Only this tenant's j
 @router.get("/{job_id}", response_model=JobOut)
 def get_job(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
     return svc.get(p, job_id)
+
+
+@router.delete("/{job_id}", response_model=JobDeleted)
+def delete_job(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
+    """Delete an ended job: its record, data, adapter versions and optimizer state (409 while it runs:
+    cancel it first); answers the bytes freed in the artifact store."""
+    return svc.delete(p, job_id)
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut)

@@ -25,7 +25,7 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from marlaas.api import access
+from marlaas.api import access, tenancy
 from marlaas.api.access import Principal
 from marlaas.api.deps import Caller, service
 from marlaas.api.service import Service
@@ -207,6 +207,7 @@ async def save_weights(request: Request, t: str = Tenant, ts: TinkerStore = Tk) 
     req = await wire.body(request, models.SaveWeightsRequest)
     name = wire.checkpoint_name(req.path or f"state-{int(time.time() * 1000)}")
     ts.model(t, req.model_id)
+    tenancy.check_storage(ts.store, t)
     ts.want_ttl(req.model_id, f"weights/{name}", wire.ttl(req.ttl_seconds))
     return queue(ts, t, req.model_id, req.seq_id, "save_weights", {"name": name})
 
@@ -216,6 +217,7 @@ async def save_for_sampler(request: Request, t: str = Tenant, ts: TinkerStore = 
     req = await wire.body(request, models.SaveWeightsForSamplerRequest)
     name = None if req.path is None else wire.checkpoint_name(req.path)
     ts.model(t, req.model_id)
+    tenancy.check_storage(ts.store, t)
     if name is not None:
         ts.want_ttl(req.model_id, f"sampler_weights/{name}", wire.ttl(req.ttl_seconds))
     return queue(ts, t, req.model_id, req.seq_id, "save_weights_for_sampler", {"name": name})

@@ -1,0 +1,165 @@
+"""Bytes off the broker (marlaas/store/blobs.py over a real Redis and a real local artifact store):
+references published in the version's compare-and-set, objects deleted with the last reference that
+names them, orphans swept, stored bytes per tenant, job and tenant deletion, Tinker payloads too
+large for a Redis value. The S3 backend is tested in test_artifacts_s3.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from marlaas.errors import ArtifactError, Conflict, NotFound
+from marlaas.spec import JobSpec
+from marlaas.store import Store, adapter_key, optim_key
+from marlaas.store.artifacts import LocalArtifacts
+from marlaas.store.blobs import INLINE_MAX, job_owner
+from marlaas.store.tinker import TinkerStore
+from marlaas.types import AdapterBlob, AdapterRef
+
+pytestmark = pytest.mark.integration
+
+MiB = 1 << 20
+
+
+def biggest_values(r, limit: int = MiB) -> list[tuple[str, int]]:
+    """Every key of this Redis DB whose value takes more than `limit` bytes (MEMORY USAGE, exact)."""
+    out = []
+    for k in r.scan_iter(count=1000):
+        n = r.memory_usage(k, samples=0) or 0
+        if n > limit:
+            out.append((k.decode(), n))
+    return out
+
+
+@pytest.fixture()
+def ast(scratch_url, tmp_path):
+    """A Store on the scratch DB with an artifact store of its own (a sweep sees only this test's objects)."""
+    return Store(scratch_url, artifacts=LocalArtifacts(tmp_path / "artifacts"))
+
+
+def job(st, tenant="acme", steps=6, eval_every=0):
+    spec = JobSpec(tenant=tenant, task="sort", steps=steps, prompts_per_step=2, group_size=4, eval_size=2,
+                   eval_every=eval_every)
+    rows = [{"prompt": f"sort:{i}=", "answer": str(i)} for i in range(8)]
+    return st.create_job(spec, rows, rows[:2])
+
+
+def keys_of(st, prefix=""):
+    return {o.key: o.size for o in st.artifacts.list(prefix)}
+
+
+def test_a_publish_stores_references_and_the_replaced_objects_go(ast):
+    jid = job(ast)
+    w = [bytes([t]) * (2 * MiB) for t in range(5)]  # 2 MiB: a Redis value this large is refused by the e2e scan
+    for t in range(5):
+        assert ast.publish(jid, t, AdapterBlob({"r": 4}, w[t]), b"opt%d" % t, {"step": t + 1}, "x", [], 6)
+    # Redis holds references only
+    assert biggest_values(ast.r) == []
+    assert ast.r.hget(adapter_key(jid, 5), "weights") is None and len(ast.r.hget(adapter_key(jid, 5), "ref")) < 200
+    got = ast.adapter(AdapterRef(jid, 5))
+    assert got.weights == w[4] and got.sha256 == ast.adapter_ref(AdapterRef(jid, 5)).sha256
+    assert ast.optimizer_state(jid) == (5, b"opt4")
+    # versions 1 and 2 were dropped (KEEP_VERSIONS_EXTRA = 2 besides the newest), with their objects,
+    # and so was every optimizer state but the last
+    owner = job_owner("acme", jid)
+    assert set(keys_of(ast, owner)) == ast.job_live_keys(jid)
+    assert len(ast.job_live_keys(jid)) == 4  # adapters 3, 4, 5 and the optimizer state
+    assert ast.stored_bytes("acme") == 3 * 2 * MiB + len(b"opt4")
+
+
+def test_identical_bytes_in_two_versions_survive_the_older_ones_deletion(ast):
+    jid = job(ast)
+    same = AdapterBlob({"r": 4}, b"unchanged")  # a step skipped on a non-finite norm leaves the weights as they were
+    for t in range(4):
+        ast.publish(jid, t, same, b"o", {}, "x", [], 6)
+    assert ast.adapter(AdapterRef(jid, 4)).weights == b"unchanged"  # version 1's deletion kept the shared object
+    assert ast.stored_bytes("acme") == len(b"unchanged") + 1
+
+
+def test_a_lost_publish_and_a_killed_writer_leave_orphans_the_sweep_collects(ast):
+    jid = job(ast)
+    assert ast.publish(jid, 0, AdapterBlob({"r": 4}, b"v1"), b"o1", {}, "x", [], 6)
+    # a duplicate train task loses the compare-and-set: its objects are written, never referenced
+    assert not ast.publish(jid, 0, AdapterBlob({"r": 4}, b"dup"), b"o-dup", {}, "x", [], 6)
+    # a trainer killed between its write and its publish
+    orphan = ast.put_blob(job_owner("acme", jid), b"killed before the publish")
+    before = keys_of(ast)
+    assert orphan.key in before and len(before) == 5
+    young = ast.sweep(grace_s=3600)  # a write younger than the grace period may still be published
+    assert young["orphans"] == 0 and keys_of(ast) == before
+    out = ast.sweep(now=9e12, grace_s=3600)
+    assert out["orphans"] == 3
+    assert out["bytes_freed"] == len(b"dup") + len(b"o-dup") + len(b"killed before the publish")
+    assert set(keys_of(ast)) == ast.job_live_keys(jid)
+    assert ast.adapter(AdapterRef(jid, 1)).weights == b"v1"  # nothing referenced was touched
+    assert ast.stored_bytes("acme") == len(b"v1") + len(b"o1") == out["tenants"]["acme"]  # recounted
+
+
+def test_a_corrupt_or_missing_object_is_an_error_never_other_bytes(ast):
+    jid = job(ast)
+    ast.publish(jid, 0, AdapterBlob({"r": 4}, b"good weights"), b"o", {}, "x", [], 6)
+    ref = ast.adapter_ref(AdapterRef(jid, 1))
+    path = ast.artifacts.path(ref.key)
+    path.write_bytes(b"evil weights")
+    with pytest.raises(ArtifactError, match="corrupt"):
+        ast.adapter(AdapterRef(jid, 1))
+    path.unlink()
+    with pytest.raises(ArtifactError, match="missing"):
+        ast.adapter(AdapterRef(jid, 1))
+
+
+def test_deleting_an_ended_job_frees_its_bytes(ast):
+    jid, other = job(ast), job(ast)
+    for j in (jid, other):
+        for t in range(2):
+            ast.publish(j, t, AdapterBlob({"r": 4}, f"{j}-{t}".encode() * 1000), b"o" * 500, {}, "x", [], 6)
+    held = ast.stored_bytes("acme")
+    with pytest.raises(Conflict, match="has not ended"):
+        ast.delete_job(jid)
+    ast.set_status(jid, "done")
+    freed = ast.delete_job(jid)
+    assert freed == len(f"{jid}-0".encode() * 1000) + len(f"{jid}-1".encode() * 1000) + 500
+    assert ast.stored_bytes("acme") == held - freed
+    assert keys_of(ast, job_owner("acme", jid) + "/") == {}
+    assert list(ast.r.scan_iter(match=f"m:job:{jid}:*")) == [] and jid not in ast.job_ids("acme")
+    with pytest.raises(NotFound):
+        ast.job(jid)
+    assert ast.adapter(AdapterRef(other, 2)).weights == f"{other}-1".encode() * 1000  # the other job is whole
+
+
+def test_tinker_payloads_too_large_for_redis_become_objects(ast):
+    ts = TinkerStore(ast)
+    body = {"data": "x" * (INLINE_MAX + 10)}
+    rid = ts.new_future("acme", "forward_backward", "", 0, body)
+    assert ts.request(rid)["body"] == body
+    h = {k.decode(): v for k, v in ast.r.hgetall(f"m:tk:fut:{rid}").items()}
+    assert "body" not in h and len(h["body_ref"]) < 200
+    (only,) = keys_of(ast, "t/acme/tmp").values()
+    assert only == len(json.dumps(body))
+    result = {"loss": [0.5] * 100_000}
+    ts.finish(rid, result)
+    assert ts.future("acme", rid)["result"] == result
+    assert biggest_values(ast.r, limit=INLINE_MAX * 2) == []
+    assert len(keys_of(ast, "t/acme/tmp")) == 1  # the body's object went with the end; the result's stays
+    small = ts.new_future("acme", "optim_step", "", 0, {"adam": {}})
+    assert ts.request(small)["body"] == {"adam": {}} and len(keys_of(ast, "t/acme/tmp")) == 1
+
+
+def test_deleting_a_tenant_deletes_everything_it_stored(ast):
+    from marlaas.api.tenancy import Quotas, add_tenant
+
+    add_tenant(ast, "gone", Quotas())
+    add_tenant(ast, "stays", Quotas())
+    a, b = job(ast, tenant="gone"), job(ast, tenant="stays")
+    for j in (a, b):
+        ast.publish(j, 0, AdapterBlob({"r": 4}, j.encode() * 100), b"o", {}, "x", [], 6)
+    with pytest.raises(Conflict, match="active jobs"):
+        ast.delete_tenant("gone")
+    ast.set_status(a, "cancelled")
+    out = ast.delete_tenant("gone")
+    assert out == {"jobs": 1, "bytes_freed": len(a.encode() * 100) + 1}
+    assert ast.tenant("gone") is None and ast.stored_bytes("gone") == 0
+    assert keys_of(ast, "t/gone/") == {} and keys_of(ast, "t/stays/") != {}
+    assert ast.adapter(AdapterRef(b, 1)).weights == b.encode() * 100
+    assert not ast.r.exists(optim_key(a))
