@@ -69,6 +69,7 @@ class S3Server:
     prefix: str = "run"
     proc: subprocess.Popen | None = field(default=None, repr=False)
     log: Path | None = None
+    readonly: tuple[str, str] = ("", "")  # a second identity allowed only Read and List
     ports: list[int] = field(default_factory=list)
 
     @property
@@ -136,14 +137,17 @@ def seaweed(tmpdir: Path | str, ip: str = "127.0.0.1", bucket: str = "marlaas", 
     root = Path(tmpdir)
     (root / "data").mkdir(parents=True, exist_ok=True)
     access, secret = "marlaas" + secrets.token_hex(4), secrets.token_hex(20)
+    ro = ("reader" + secrets.token_hex(4), secrets.token_hex(20))
     config = root / "s3.json"
-    config.write_text(json.dumps({"identities": [{
-        "name": "marlaas", "credentials": [{"accessKey": access, "secretKey": secret}],
-        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+    config.write_text(json.dumps({"identities": [
+        {"name": "marlaas", "credentials": [{"accessKey": access, "secretKey": secret}],
+         "actions": ["Admin", "Read", "Write", "List", "Tagging"]},
+        {"name": "reader", "credentials": [{"accessKey": ro[0], "secretKey": ro[1]}], "actions": ["Read", "List"]},
+    ]}))
     # the ports are probed on this host; inside a fresh network namespace every port is free anyway
     s3p, master, volume, filer = free_ports(4)
     s3 = S3Server(f"http://{ip}:{s3p}", bucket, access, secret, prefix=prefix, log=root / "weed.log",
-                  ports=[s3p, master, volume, filer])
+                  readonly=ro, ports=[s3p, master, volume, filer])
     argv = [weed, "server", f"-dir={root / 'data'}", f"-ip={ip}", f"-ip.bind={ip}",
             "-s3", f"-s3.port={s3p}", f"-s3.config={config}",
             f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",

@@ -276,8 +276,9 @@ class S3Artifacts(Artifacts):
         self.url, self.bucket, self.prefix = url, m.group(1), m.group(2).strip("/")
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         style = "path" if endpoint else "auto"
-        self.s3 = boto3.client("s3", config=Config(s3={"addressing_style": style}, retries={"max_attempts": 5},
-                                                     connect_timeout=10, read_timeout=120))
+        # a session of its own: boto3's default one caches the credentials it first resolved
+        self.s3 = boto3.session.Session().client("s3", config=Config(
+            s3={"addressing_style": style}, retries={"max_attempts": 5}, connect_timeout=10, read_timeout=120))
         self.cache = cache
 
     def _k(self, key: str) -> str:
@@ -285,19 +286,20 @@ class S3Artifacts(Artifacts):
 
     def _error(self, what: str, key: str | None, e: Exception) -> ArtifactError:
         """One line: the store, what was attempted and why (the S3 error code and message)."""
-        code = getattr(e, "response", {}).get("Error", {}).get("Code")
-        if code in _MISSING and key is not None:
+        inner = e.__cause__ or e.__context__  # boto3's upload failure wraps the S3 error
+        err = getattr(e, "response", None) or getattr(inner, "response", None) or {}
+        err = err.get("Error", {})
+        if err.get("Code") in _MISSING and key is not None:
             return ArtifactError(f"artifact {key} is missing from {self.url}")
-        if code is not None:
-            msg = getattr(e, "response", {}).get("Error", {}).get("Message") or ""
-            why = f"{code} {msg}".strip()
-            if code in _DENIED:
-                why += " (check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
-            elif code == "NoSuchBucket":
-                why = f"bucket {self.bucket!r} does not exist"
-        else:
-            why = " ".join(str(e).split()) or type(e).__name__
+        why = self._why(err) if err.get("Code") else " ".join(str(e).split()) or type(e).__name__
         return ArtifactError(f"artifact store {self.url}: {what}{f' {key}' if key else ''} failed: {why}")
+
+    def _why(self, err: dict) -> str:
+        code = err.get("Code")
+        if code == "NoSuchBucket":
+            return f"bucket {self.bucket!r} does not exist"
+        why = " ".join(f"{code} {err.get('Message') or ''}".split())
+        return why + " (check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)" if code in _DENIED else why
 
     def _call(self, what: str, key: str | None, fn, *args, missing=ArtifactError, **kw):
         """fn(*args, **kw); `missing` is returned when S3 says the object does not exist (raised as
@@ -352,8 +354,8 @@ class S3Artifacts(Artifacts):
                                  Delete={"Objects": batch, "Quiet": True})
                 if out.get("Errors"):
                     err = out["Errors"][0]
-                    raise ArtifactError(f"artifact store {self.url}: delete {len(out['Errors'])} objects failed: "
-                                        f"{err.get('Key')}: {err.get('Code')} {err.get('Message', '')}".rstrip())
+                    raise ArtifactError(f"artifact store {self.url}: delete of {len(out['Errors'])} object(s) "
+                                        f"failed, e.g. {err.get('Key')}: {self._why(err)}")
 
     def list(self, prefix: str) -> Iterator[Listed]:
         strip = len(self.prefix) + 1 if self.prefix else 0
