@@ -3,7 +3,9 @@
     .venv/bin/python bench/chaos.py --kills 50 --out results/chaos.json
 
 Reports kills survived, lost steps (published versions missing) and duplicated steps (a version
-published twice) per job. Needs a built tiny base (`marlaas base build --preset test --out DIR`,
+published twice) per job; references naming an object missing from the artifact store (before and
+after the sweep) and the orphans swept: objects a trainer killed between its write and its publish
+(or a publish that lost its compare-and-set) left behind. Needs a built tiny base (`marlaas base build --preset test --out DIR`,
 passed as --base; by default one is built under $MARLAAS_HOME/base-test).
 """
 
@@ -46,6 +48,9 @@ def main() -> None:
         "duplicated_steps": dup,
         "staleness_violations": sum(not j["staleness_ok"] for j in out["jobs"]),
         "regenerated_groups": sum(j["regenerated"] for j in out["jobs"]),
+        "references_to_missing_objects": sum(len(j["missing_objects"]) + len(j["missing_after_sweep"])
+                                             for j in out["jobs"]),
+        "orphans_swept": sum(j["orphans_swept"] for j in out["jobs"]),
         "wall_s": round(time.time() - t0, 1),
         **out,
     }

@@ -36,7 +36,14 @@ def redis_stack(home):
 
     get_settings.cache_clear()
     yield stack
-    stack.stop()
+    try:
+        from marlaas.store import Store
+        from tests.redis_scan import big_values
+
+        big = big_values(Store(stack.url).r)  # the worker stack's DB after every test of the run
+        assert not big, f"values over 1 MiB in Redis (bytes must go to the artifact store): {big[:5]}"
+    finally:
+        stack.stop()
 
 
 @pytest.fixture(scope="session")
@@ -49,11 +56,14 @@ def scratch_url(redis_url) -> str:
     """A scratch Redis DB, flushed before and after the test. DB 0 holds the worker stack's broker
     queues and is never flushed."""
     from marlaas.store import Store
+    from tests.redis_scan import big_values
 
     url = redis_url.rsplit("/", 1)[0] + "/1"
     wipe(Store(url).r)
     yield url
+    big = big_values(Store(url).r)
     wipe(Store(url).r)
+    assert not big, f"values over 1 MiB in Redis (bytes must go to the artifact store): {big[:5]}"
 
 
 def wipe(r) -> None:

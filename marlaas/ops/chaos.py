@@ -4,7 +4,9 @@ Used by tests/integration/test_chaos.py and bench/chaos.py. The stack is private
 the Procfile lines) with short leases, so lost work is re-dispatched within seconds, and the harness
 acts as the process supervisor a deployment has: processes that exit on their own are started again. Invariants
 checked by the callers: every job finishes with versions 1..steps published once each, in order,
-each trained only on groups within its staleness bound.
+each trained only on groups within its staleness bound; no reference names a missing object of the
+artifact store, before or after the jobs' orphans (objects written by a trainer killed before its
+publish, or by a publish that lost its compare-and-set) are swept.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def run_chaos(base, log_dir, tenants=8, kills=6, steps=4, seed=0, deadline_s=900
                 stack.start("redis")  # ... and comes back on the same port
                 restarted = True
         results = []
+        store = Store(stack.url)
         for j, s in zip(jobs, specs):
             st = j.status()
             steps_seen = [m["step"] for m in j.metrics()["steps"]]
@@ -65,6 +68,10 @@ def run_chaos(base, log_dir, tenants=8, kills=6, steps=4, seed=0, deadline_s=900
                             "staleness_ok": all(0 <= x <= s.max_staleness for m in j.metrics()["steps"]
                                                 for x in m["staleness"]),
                             "regenerated": st["regenerated"]})
+            missing = store.missing_objects(j.id)
+            swept = store.sweep_job(j.id, grace_s=0.0)  # every job has ended: nothing is in flight
+            results[-1].update(missing_objects=missing, orphans_swept=swept["orphans"],
+                               missing_after_sweep=store.missing_objects(j.id))
         return {"events": log, "jobs": results, "wall_s": round(time.time() - t0, 1)}
     finally:
         stack.stop()

@@ -22,7 +22,18 @@ import json
 import time
 
 from marlaas.store.artifacts import Artifacts, Listed, Ref
-from marlaas.store.keys import SWEEP_LOCK, adapter_key, ckpt_key, files_key, live_key, model_key, state_key, stored_key
+from marlaas.store.keys import (
+    SWEEP_LOCK,
+    adapter_key,
+    ckpt_key,
+    files_key,
+    job_key,
+    live_key,
+    model_key,
+    optim_key,
+    state_key,
+    stored_key,
+)
 
 INLINE_MAX = 256 * 1024
 """A Tinker payload up to this many bytes stays in its Redis hash; a larger one becomes an object."""
@@ -137,6 +148,18 @@ class BlobOps:
     def file_live_keys(self, tenant: str) -> set[str]:
         return {Ref.parse(json.loads(v)["ref"]).key for v in self.r.hvals(files_key(tenant))}
 
+    # ---------------------------------------------------------------- checks (chaos runs, benchmarks)
+    def missing_objects(self, jid: str) -> list[str]:
+        """References of the job (adapter versions, optimizer state) that name no object: always []
+        when writes come before their references (`publish`) and deletions after them."""
+        return sorted(k for k in self.job_live_keys(jid) if self.artifacts.size(k) is None)
+
+    def sweep_job(self, jid: str, grace_s: float) -> dict:
+        """`sweep` over one job's objects only (another deployment's objects in the same place are
+        never judged by this Redis's references)."""
+        tenant = self.r.hget(job_key(jid), "tenant")
+        return self.sweep(grace_s=grace_s, prefix=job_owner(tenant.decode() if tenant else None, jid) + "/")
+
     # ---------------------------------------------------------------- garbage collection
     def live_keys(self, owner: str) -> set[str] | None:
         """Object keys a reference of `owner` names (None: every object of this owner is kept)."""
@@ -166,13 +189,34 @@ class BlobOps:
         return {Ref.parse(x).key for row in p.execute() for x in row if x}
 
     def sweep_once(self, grace_s: float, lock_s: float) -> dict:
-        """`sweep` unless another process is sweeping (one at a time, however many control workers)."""
+        """`migrate_legacy`, then `sweep`, unless another process is sweeping (one at a time, however
+        many control workers)."""
         if not self.r.set(SWEEP_LOCK, "1", nx=True, ex=max(1, int(lock_s))):
             return {"skipped": "another sweep runs"}
         try:
-            return self.sweep(grace_s=grace_s)
+            return {"migrated": self.migrate_legacy(), **self.sweep(grace_s=grace_s)}
         finally:
             self.r.delete(SWEEP_LOCK)
+
+    def migrate_legacy(self) -> int:
+        """Move job adapter versions and optimizer states written by an earlier marlaas (bytes in the
+        Redis hash: `weights`, `data`) into the artifact store, leaving references; returns how many.
+        Until then `adapter` and `optimizer_state` read the old fields."""
+        n = 0
+        for pattern, field in ((adapter_key("*", "*"), "weights"), (optim_key("*"), "data")):
+            for key in self.r.scan_iter(match=pattern, count=1000):
+                raw = self.r.hget(key, field)
+                if raw is None:
+                    continue
+                jid = key.decode().split(":")[2]
+                tenant = self.r.hget(job_key(jid), "tenant")
+                ref = self.put_blob(job_owner(tenant.decode() if tenant else None, jid), raw)
+                p = self.r.pipeline(transaction=True)
+                p.hset(key, "ref", str(ref))
+                p.hdel(key, field)
+                p.execute()
+                n += 1
+        return n
 
     def sweep(self, now: float | None = None, grace_s: float = 3600.0, tmp_age_s: float = 2 * 86400.0,
               prefix: str = "") -> dict:

@@ -38,7 +38,9 @@ class LaneOps:
     def adapter(self, ref: AdapterRef) -> AdapterBlob:
         """A stored adapter version: its config from Redis, its weights from the artifact store (checked
         against their sha256). `AdapterBlob.sha256` names exactly the bytes returned."""
-        cfg, raw = self.r.hmget(adapter_key(ref.job_id, ref.version), ["config", "ref"])
+        cfg, raw, legacy = self.r.hmget(adapter_key(ref.job_id, ref.version), ["config", "ref", "weights"])
+        if cfg is not None and raw is None and legacy is not None:  # written by an earlier marlaas
+            return AdapterBlob(config=json.loads(cfg), weights=legacy)
         if cfg is None or raw is None:
             raise NotFound(f"job {ref.job_id} has no stored adapter version {ref.version}")
         obj = Ref.parse(raw)
@@ -56,7 +58,9 @@ class LaneOps:
         return [v for v, ok in zip(versions, p.execute()) if ok]
 
     def optimizer_state(self, jid: str) -> tuple[int, bytes] | None:
-        v, raw = self.r.hmget(optim_key(jid), ["version", "ref"])
+        v, raw, legacy = self.r.hmget(optim_key(jid), ["version", "ref", "data"])
+        if v is not None and raw is None and legacy is not None:  # written by an earlier marlaas
+            return int(v), legacy
         if v is None or raw is None:
             return None
         return int(v), self.blob(raw)

@@ -16,20 +16,11 @@ from marlaas.store.artifacts import LocalArtifacts
 from marlaas.store.blobs import INLINE_MAX, job_owner
 from marlaas.store.tinker import TinkerStore
 from marlaas.types import AdapterBlob, AdapterRef
+from tests.redis_scan import big_values
 
 pytestmark = pytest.mark.integration
 
 MiB = 1 << 20
-
-
-def biggest_values(r, limit: int = MiB) -> list[tuple[str, int]]:
-    """Every key of this Redis DB whose value takes more than `limit` bytes (MEMORY USAGE, exact)."""
-    out = []
-    for k in r.scan_iter(count=1000):
-        n = r.memory_usage(k, samples=0) or 0
-        if n > limit:
-            out.append((k.decode(), n))
-    return out
 
 
 @pytest.fixture()
@@ -55,7 +46,7 @@ def test_a_publish_stores_references_and_the_replaced_objects_go(ast):
     for t in range(5):
         assert ast.publish(jid, t, AdapterBlob({"r": 4}, w[t]), b"opt%d" % t, {"step": t + 1}, "x", [], 6)
     # Redis holds references only
-    assert biggest_values(ast.r) == []
+    assert big_values(ast.r) == []
     assert ast.r.hget(adapter_key(jid, 5), "weights") is None and len(ast.r.hget(adapter_key(jid, 5), "ref")) < 200
     got = ast.adapter(AdapterRef(jid, 5))
     assert got.weights == w[4] and got.sha256 == ast.adapter_ref(AdapterRef(jid, 5)).sha256
@@ -140,7 +131,7 @@ def test_tinker_payloads_too_large_for_redis_become_objects(ast):
     result = {"loss": [0.5] * 100_000}
     ts.finish(rid, result)
     assert ts.future("acme", rid)["result"] == result
-    assert biggest_values(ast.r, limit=INLINE_MAX * 2) == []
+    assert big_values(ast.r, limit=INLINE_MAX * 2) == []
     assert len(keys_of(ast, "t/acme/tmp")) == 1  # the body's object went with the end; the result's stays
     small = ts.new_future("acme", "optim_step", "", 0, {"adam": {}})
     assert ts.request(small)["body"] == {"adam": {}} and len(keys_of(ast, "t/acme/tmp")) == 1
@@ -163,3 +154,17 @@ def test_deleting_a_tenant_deletes_everything_it_stored(ast):
     assert keys_of(ast, "t/gone/") == {} and keys_of(ast, "t/stays/") != {}
     assert ast.adapter(AdapterRef(b, 1)).weights == b.encode() * 100
     assert not ast.r.exists(optim_key(a))
+
+
+def test_bytes_an_earlier_version_left_in_redis_are_read_then_moved(ast):
+    jid = job(ast)
+    ast.r.hset(adapter_key(jid, 1), mapping={"config": json.dumps({"r": 4}), "weights": b"old weights"})
+    ast.r.hset(optim_key(jid), mapping={"version": 1, "data": b"old optim"})
+    ast.r.hset(f"m:job:{jid}", "version", 1)
+    assert ast.adapter(AdapterRef(jid, 1)).weights == b"old weights"  # readable as it is
+    assert ast.optimizer_state(jid) == (1, b"old optim")
+    assert ast.sweep_once(grace_s=3600, lock_s=60)["migrated"] == 2
+    assert ast.r.hget(adapter_key(jid, 1), "weights") is None and ast.r.hget(optim_key(jid), "data") is None
+    assert ast.adapter(AdapterRef(jid, 1)).weights == b"old weights"  # now from the artifact store
+    assert ast.optimizer_state(jid) == (1, b"old optim")
+    assert ast.stored_bytes("acme") == len(b"old weights") + len(b"old optim")

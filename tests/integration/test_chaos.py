@@ -16,3 +16,4 @@ def test_jobs_survive_killed_workers_and_a_broker_restart(tiny_base, home):
         assert r["status"] == "done", (r, out["events"])
         assert r["steps"] == list(range(1, r["spec_steps"] + 1)), r  # none lost, none duplicated
         assert r["staleness_ok"], r
+        assert r["missing_objects"] == [] and r["missing_after_sweep"] == [], r  # no reference to missing bytes
