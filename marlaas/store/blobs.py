@@ -3,7 +3,7 @@ and each tenant's running total of stored bytes in Redis.
 
 Owners (the object key's prefix, one per thing that holds bytes): `t/{tenant}/jobs/{job}` (adapter
 versions, optimizer states), `t/{tenant}/tinker/{model}` (live weights, checkpoints, sampler
-snapshots), `t/{tenant}/tmp` (Tinker request bodies and results too large for a Redis value),
+snapshots), `t/{tenant}/tmp/{request}` (Tinker request bodies and results too large for a Redis value),
 `t/{tenant}/files` (uploads), `base/{hash}` (the pushed base). The single-user mode's tenant is `_`.
 
 Invariants:
@@ -51,8 +51,10 @@ def tinker_owner(tenant: str | None, mid: str) -> str:
     return f"t/{tenant_part(tenant)}/tinker/{mid}"
 
 
-def tmp_owner(tenant: str | None) -> str:
-    return f"t/{tenant_part(tenant)}/tmp"
+def tmp_owner(tenant: str | None, name: str) -> str:
+    """A payload's own owner (one per Tinker request: dropping one request's object never takes
+    another's, even with the same bytes)."""
+    return f"t/{tenant_part(tenant)}/tmp/{name}"
 
 
 def files_owner(tenant: str | None) -> str:
@@ -120,12 +122,13 @@ class BlobOps:
         return sum(o.size for o in objs)
 
     # ---------------------------------------------------------------- payloads (Tinker bodies, results)
-    def spill(self, tenant: str | None, text: str) -> tuple[str, str]:
-        """(field suffix, value): the text itself when small, else `_ref` and an object's reference."""
+    def spill(self, owner: str, text: str) -> tuple[str, str]:
+        """(field suffix, value): the text itself when small, else `_ref` and a reference to an object
+        of `owner` (`tmp_owner`)."""
         raw = text.encode()
         if len(raw) <= INLINE_MAX:
             return "", text
-        return "_ref", str(self.put_blob(tmp_owner(tenant), raw))
+        return "_ref", str(self.put_blob(owner, raw))
 
     def unspill(self, h: dict, field: str) -> str | None:
         if h.get(field + "_ref"):
@@ -229,7 +232,7 @@ class BlobOps:
         dead: list[Listed] = []
         totals: dict[str, int] = {}
         for owner, objs in by_owner.items():
-            if owner.endswith("/tmp"):
+            if owner.split("/")[2:3] == ["tmp"]:
                 dead += [o for o in objs if o.mtime < now - tmp_age_s]
             else:
                 old = [o for o in objs if o.mtime < now - grace_s]

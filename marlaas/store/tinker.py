@@ -43,6 +43,7 @@ import time
 from marlaas.adapters import default_alpha
 from marlaas.errors import Gone, NotFound, SpecError
 from marlaas.store.artifacts import Ref
+from marlaas.store.blobs import tmp_owner
 from marlaas.store.keys import TK, WAKE, future_key, model_key, queue_key, sampler_key, session_key, session_models_key
 from marlaas.store.tinker_weights import TinkerWeights
 
@@ -176,11 +177,11 @@ class TinkerStore(TinkerWeights):
                    result: dict | None = None) -> str:
         """A future; with `result` it is done at once, else pending (queued by the caller)."""
         rid = self._id("r")
-        suffix, text = self.store.spill(tenant, json.dumps(body or {}))
+        suffix, text = self.store.spill(tmp_owner(tenant, rid), json.dumps(body or {}))
         mapping = {"tenant": tenant, "kind": kind, "model": model, "seq": seq, "created": time.time(),
                    "body" + suffix: text, "status": "pending" if result is None else "done"}
         if result is not None:
-            suffix, text = self.store.spill(tenant, json.dumps(result))
+            suffix, text = self.store.spill(tmp_owner(tenant, rid), json.dumps(result))
             mapping["result" + suffix] = text
         p = self.r.pipeline()
         p.hset(future_key(rid), mapping=mapping)
@@ -219,7 +220,7 @@ class TinkerStore(TinkerWeights):
 
     def finish(self, rid: str, result: dict) -> None:
         tenant = _s(self.r.hget(future_key(rid), "tenant"))
-        suffix, text = self.store.spill(tenant, json.dumps(result))
+        suffix, text = self.store.spill(tmp_owner(tenant, rid), json.dumps(result))
         self._end(rid, {"status": "done", "result" + suffix: text})
 
     def fail(self, rid: str, error: str, category: str = "user") -> None:

@@ -135,6 +135,10 @@ def test_tinker_payloads_too_large_for_redis_become_objects(ast):
     assert len(keys_of(ast, "t/acme/tmp")) == 1  # the body's object went with the end; the result's stays
     small = ts.new_future("acme", "optim_step", "", 0, {"adam": {}})
     assert ts.request(small)["body"] == {"adam": {}} and len(keys_of(ast, "t/acme/tmp")) == 1
+    # two requests with the same large body: ending one leaves the other's bytes
+    twins = [ts.new_future("acme", "forward_backward", "", 0, body) for _ in range(2)]
+    ts.fail(twins[0], "cancelled")
+    assert ts.request(twins[1])["body"] == body
 
 
 def test_deleting_a_tenant_deletes_everything_it_stored(ast):
