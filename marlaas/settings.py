@@ -93,6 +93,9 @@ class Settings(BaseSettings):
     """Seconds after which dispatched work that has not finished is dispatched again."""
     tool_url: str = "http://127.0.0.1:9110"
     """The calculator tool service (`marlaas tool-server`, Procfile line `tool`) tool tasks call."""
+    serve_share: float = Field(0.5, ge=0.0, le=1.0)
+    """MARLAAS_SERVE_SHARE: the most a generate call's rows that sample and serving requests (which go
+    first) may take while training work waits (docs/serving.md); the rest wait for the next call."""
     redis_maxmemory_mb: int = Field(4096, ge=64)
     """The embedded Redis's memory cap (noeviction: it refuses writes past it, never drops keys)."""
     admission_memory_fraction: float = Field(0.8, gt=0, le=1)

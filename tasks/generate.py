@@ -49,7 +49,8 @@ def generate(batch_id: str, items: list[list]) -> dict:
         samples = take(tinker_store(), engine(), tinker_store().take_samples())
         with station_event("generate", [it.job for it in work], items=len(work), batch=batch_id,
                            tinker=len(samples.requests)):
-            to_verify = run_generate_isolated(store(), engine(), work, get_settings().tool_url, samples)
+            to_verify = run_generate_isolated(store(), engine(), work, get_settings().tool_url, samples,
+                                              get_settings().serve_share)
         send(verify_messages(store(), to_verify))
     finally:
         store().end_gen_batch(batch_id)

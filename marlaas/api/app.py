@@ -24,7 +24,7 @@ from marlaas.api.deps import loopback
 from marlaas.api.middleware import BodyLimit, install_error_handlers
 from marlaas.api.models import ErrorOut
 from marlaas.api.ratelimit import RateLimiter
-from marlaas.api.routes import files, graders, health, jobs, tenants, tinker, verifiers
+from marlaas.api.routes import files, graders, health, jobs, openai, tenants, tinker, verifiers
 from marlaas.api.service import Service
 from marlaas.api.settings import ApiSettings
 from marlaas.errors import MarlaasError
@@ -47,7 +47,7 @@ def create_app(store_url: str | None = None, home: Path | None = None, *, open: 
     app.state.service, app.state.settings, app.state.limiter = service, s, RateLimiter(s.rate, s.burst)
     app.add_middleware(BodyLimit, max_body=s.max_body_bytes, max_file=s.max_file_bytes, upload_path=files.PATH)
     install_error_handlers(app)
-    for module in (health, jobs, files, tenants, graders, verifiers, tinker):  # tinker: the Tinker wire protocol
+    for module in (health, jobs, files, tenants, graders, verifiers, tinker, openai):  # tinker, openai: other wires
         app.include_router(module.router)
     return app
 

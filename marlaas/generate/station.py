@@ -4,8 +4,10 @@ Idempotent and Celery-free (tasks/generate.py wraps it): a duplicate generate ov
 fresh attempt (rewards of the old attempt are then refused). One job's failure never stops the
 others in its batch: `run_generate_isolated` retries job by job and charges only the failing job.
 
-Tinker sample requests taken by the same task (`marlaas.generate.tinker_sample.SampleBatch`) ride in the
-jobs' engine call: one `engine.generate` over the jobs' requests and theirs.
+Tinker sample requests and serving requests taken by the same task (`marlaas.generate.tinker_sample.SampleBatch`)
+ride in the jobs' engine call: one `engine.generate` over theirs FIRST, then the jobs' requests. They are
+the latency class: while training work is waiting they take at most `serve_share` of the call's rows
+(MARLAAS_SERVE_SHARE, passed by the edge; the rest wait at the front of the queue for the next call).
 
 Work in, work out, in the one vocabulary of marlaas.types: GEN, CONT and EVAL items come in; VER and
 EVALVER items (the same kinds the leases name) come out, and `verify_messages` turns them into the
@@ -18,7 +20,7 @@ import logging
 from dataclasses import dataclass, field
 
 from marlaas import families
-from marlaas.generate.tinker_sample import SampleBatch
+from marlaas.generate.tinker_sample import SampleBatch, serving_rows
 from marlaas.store import Store
 from marlaas.tools import agentic, episodes
 from marlaas.types import (
@@ -148,20 +150,24 @@ def _store_results(store: Store, batch: _Batch, results: list[GenResult]) -> lis
 
 
 def run_generate(store: Store, engine, items: list[WorkItem] | list[list],
-                 tool_url: str = agentic.DEFAULT_TOOL_URL, samples: SampleBatch | None = None) -> list[WorkItem]:
+                 tool_url: str = agentic.DEFAULT_TOOL_URL, samples: SampleBatch | None = None,
+                 serve_share: float = 0.5) -> list[WorkItem]:
     """Sample every item of a mixed-tenant batch in one engine call; store rollouts. Returns the
     VER / EVALVER items to verify next. `items`: WorkItems or their wire form [kind, job, idx];
     `tool_url`: the tool server evaluation episodes call (Settings.tool_url, passed by the edge);
-    `samples`: Tinker sample requests that ride in the same engine call (their futures are written
-    as soon as the call returns, `SampleBatch.finish`)."""
+    `samples`: Tinker sample and serving requests that go first in the same engine call (their
+    futures are written as soon as the call returns, `SampleBatch.finish`), at most `serve_share`
+    of its rows when the batch has training work (Settings.serve_share, passed by the edge)."""
     batch = _requests(store, engine, [WorkItem.of(it) for it in items])
+    if samples is not None and not samples.done and batch.requests:
+        samples.limit(serving_rows(sum(r.n for r in batch.requests), serve_share))
     extra = samples.requests if samples is not None and not samples.done else []
     if not batch.requests and not extra:
         return []
-    results = engine.generate(batch.requests + extra)
+    results = engine.generate(extra + batch.requests)
     if extra:
-        samples.finish(results[len(batch.requests):])
-        results = results[:len(batch.requests)]
+        samples.finish(results[:len(extra)])
+        results = results[len(extra):]
     if not batch.requests:
         return []
     # Evaluation episodes run their tool calls here (blocking; see marlaas.tools.agentic).
@@ -186,7 +192,7 @@ def _samples_alone(engine, samples: SampleBatch | None) -> None:
 
 def run_generate_isolated(store: Store, engine, items: list[WorkItem] | list[list],
                           tool_url: str = agentic.DEFAULT_TOOL_URL,
-                          samples: SampleBatch | None = None) -> list[WorkItem]:
+                          samples: SampleBatch | None = None, serve_share: float = 0.5) -> list[WorkItem]:
     """`run_generate`, with per-job failure isolation: when the mixed batch fails, each job's items are
     retried alone, and only a job whose own items fail is charged (`Store.count_failure`); Tinker
     samples not yet served are retried alone too, and fail their futures if that fails. A batch of one
@@ -194,7 +200,7 @@ def run_generate_isolated(store: Store, engine, items: list[WorkItem] | list[lis
     items = [WorkItem.of(it) for it in items]
     jobs = sorted({it.job for it in items})
     try:
-        return run_generate(store, engine, items, tool_url, samples)
+        return run_generate(store, engine, items, tool_url, samples, serve_share)
     except Exception as err:
         _samples_alone(engine, samples)
         if len(jobs) == 1:

@@ -111,6 +111,7 @@ from marlaas.store.keys import (  # noqa: F401  (re-exported: the store layer's 
 )
 from marlaas.store.lanes import KEEP_VERSIONS_EXTRA, LaneOps  # noqa: F401  (re-exported)
 from marlaas.store.observe import ObserveOps
+from marlaas.store.serving import ServingOps
 from marlaas.store.tenants import TenantOps
 from marlaas.store.tick import TickOps
 from marlaas.store.verifier_registry import VerifierRegistryOps
@@ -143,7 +144,7 @@ def _artifacts(url: str, cache_dir: str, cache_bytes: int) -> Artifacts:
     return open_artifacts(url, cache_dir, cache_bytes)
 
 
-class Store(JobOps, WorkOps, LaneOps, TenantOps, ObserveOps, HygieneOps, VerifierRegistryOps, TickOps,
+class Store(ServingOps, JobOps, WorkOps, LaneOps, TenantOps, ObserveOps, HygieneOps, VerifierRegistryOps, TickOps,
             BlobOps):
     """Typed access to the Redis store, one mixin per concern. Every method is one or a few round trips.
 

@@ -142,3 +142,10 @@ def future_key(r: str) -> str:
 
 def sampler_key(s: str) -> str:
     return f"{TK}sampler:{s}"
+
+
+# ---- serving
+def best_key(j: str) -> str:
+    """Hash of the job's promotion: `x:{v}` -> held-out exact of evaluated version v, `auto` (the best
+    of them, ties: the later version), `pinned` (a version the tenant promoted by hand)."""
+    return f"{P}job:{j}:best"

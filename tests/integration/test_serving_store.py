@@ -1,0 +1,124 @@
+"""Promotion in the store (real Redis): `@best` follows the held-out exact (ties: the later version),
+a pin wins until dropped, and an evaluation racing a promote never leaves `@best` half moved; serving
+requests a generate call has no room for go back to the front of the sample queue."""
+
+import random
+import threading
+
+import pytest
+
+from marlaas.errors import Conflict, NotFound
+from marlaas.generate.tinker_sample import SampleBatch
+from marlaas.store import adapter_key
+from marlaas.store.tinker import TinkerStore
+from marlaas.types import GenRequest
+
+pytestmark = pytest.mark.integration
+
+
+def _ev(exact: float) -> dict:
+    return {"exact": exact, "mean_reward": exact, "acc": exact, "n": 4, "k": 0}
+
+
+def _stored(st, jid: str, *versions: int) -> None:
+    for v in versions:  # an adapter version's record (pin_best checks only that it is stored)
+        st.r.hset(adapter_key(jid, v), mapping={"config": "{}", "ref": "x"})
+
+
+def test_best_follows_the_highest_exact_with_ties_to_the_later_version(st):
+    jid = "jbest"
+    assert st.best_version(jid) is None
+    st.put_eval_result(jid, 0, _ev(0.25))
+    assert st.best_version(jid) == 0  # the base itself, until a version beats it
+    st.put_eval_result(jid, 4, _ev(0.5))
+    st.put_eval_result(jid, 2, _ev(0.5))  # evaluated late, ties with 4: the later version stays
+    assert st.best_version(jid) == 4
+    st.put_eval_result(jid, 6, _ev(0.5))
+    assert st.best_version(jid) == 6
+    st.put_eval_result(jid, 8, _ev(0.375))  # worse: @best stays
+    assert st.best(jid) == {"version": 6, "auto": 6, "pinned": None,
+                            "exact": {0: 0.25, 2: 0.5, 4: 0.5, 6: 0.5, 8: 0.375}}
+    assert st.evals(jid)[8]["exact"] == 0.375  # the evaluation itself is stored as before
+    st.put_eval_result(jid, 6, _ev(0.0))  # a version re-scored lower loses its place
+    assert st.best_version(jid) == 4
+
+
+def test_pin_needs_an_evaluated_stored_version_and_wins_until_unpinned(st):
+    jid = "jpin"
+    _stored(st, jid, 2, 3)
+    st.put_eval_result(jid, 0, _ev(0.0))
+    st.put_eval_result(jid, 2, _ev(0.5))
+    st.put_eval_result(jid, 3, _ev(0.75))
+    with pytest.raises(NotFound):
+        st.pin_best(jid, 1)  # never evaluated
+    st.put_eval_result(jid, 5, _ev(0.1))
+    with pytest.raises(Conflict):
+        st.pin_best(jid, 5)  # evaluated, but its adapter is gone
+    st.pin_best(jid, 2)
+    st.put_eval_result(jid, 7, _ev(1.0))
+    assert st.best(jid)["version"] == 2 and st.best(jid)["auto"] == 7
+    st.unpin_best(jid)
+    assert st.best_version(jid) == 7
+    st.pin_best(jid, 0)  # the base needs no adapter
+    assert st.best_version(jid) == 0
+
+
+def test_an_evaluation_racing_a_promote_never_leaves_best_half_moved(st):
+    jid, versions = "jrace", list(range(1, 41))
+    _stored(st, jid, *versions)
+    rng = random.Random(0)
+    scores = {v: rng.choice([0.0, 0.25, 0.5, 0.75]) for v in versions}
+    stop, seen, errors = threading.Event(), [], []
+
+    def evaluate():
+        for v in versions:
+            st.put_eval_result(jid, v, _ev(scores[v]))
+        stop.set()
+
+    def promote():
+        i = 0
+        while not stop.is_set():
+            done = [v for v in versions if st.has_evals(jid, [v])[0]]
+            if done:
+                st.pin_best(jid, done[i % len(done)])
+            if i % 3 == 2:
+                st.unpin_best(jid)
+            i += 1
+
+    def read():
+        while not stop.is_set():
+            b = st.best(jid)
+            if b["exact"]:
+                want = max(b["exact"], key=lambda v: (b["exact"][v], v))
+                seen.append(b["auto"] == want)
+                if b["pinned"] is not None and b["pinned"] not in b["exact"]:
+                    errors.append(f"pinned {b['pinned']} was never evaluated")
+
+    threads = [threading.Thread(target=f) for f in (evaluate, promote, read)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert seen and all(seen), "a reader saw an evaluation without @best moved with it"
+    assert not errors
+    b = st.best(jid)
+    assert b["auto"] == max(versions, key=lambda v: (scores[v], v))
+    assert b["exact"] == scores
+    st.pin_best(jid, 3)  # a final promote after the race: the rollback holds
+    assert st.best_version(jid) == 3
+
+
+def test_requests_over_the_share_wait_at_the_front_of_the_queue(st):
+    ts = TinkerStore(st)
+    rids = [ts.enqueue_sample("t1", {"serve": "completion", "prompt": "x", "n": n}) for n in (3, 2, 4, 1)]
+    assert ts.take_samples() == rids
+    later = ts.enqueue_sample("t1", {"serve": "completion", "prompt": "y", "n": 1})
+    batch = SampleBatch(ts, engine=None, requests=[GenRequest(key=r, prompt="x", adapter=None, n=n)
+                                                   for r, n in zip(rids, (3, 2, 4, 1))],
+                        bodies={r: {} for r in rids})
+    assert batch.limit(5) == rids[2:]  # 3 + 2 rows fit, the 4-row request does not
+    assert [r.key for r in batch.requests] == rids[:2] and batch.rows() == 5
+    assert ts.take_samples() == rids[2:] + [later]  # first in line for the next call
+    one = SampleBatch(ts, engine=None, requests=[GenRequest(key="rbig", prompt="x", adapter=None, n=9)],
+                      bodies={"rbig": {}})
+    assert one.limit(2) == [] and one.rows() == 9  # one request always rides: serving never starves
