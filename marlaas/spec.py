@@ -263,6 +263,15 @@ class JobSpec(BaseModel):
     max_grader_error_groups: int = Field(20, ge=1, le=100_000)
     """The job fails when its grader errs on every completion of this many training groups in a
     row (a warning event at half of it); a group with one scored completion resets the count."""
+    reward_hacking_drop: float = Field(0.1, ge=0.0, le=1.0)
+    """The reward-hacking alarm (`marlaas.verify.alarm`): a warning event when, from one held-out
+    evaluation to the next, held-out `exact` falls by more than this while the mean training reward of
+    the interval rises by more than `reward_hacking_rise`; 1.0 = never."""
+    reward_hacking_rise: float = Field(0.0, ge=0.0, le=100.0)
+    """How much the mean training reward must rise over the evaluation interval (its last steps against
+    its first ones) for the alarm; 0 = any rise."""
+    pause_on_reward_hacking: bool = False
+    """Pause the job (resumable) when the reward-hacking alarm fires before its last version."""
     preflight: bool = False
     """A learnability check instead of training: sample the base (version 0) on `preflight_prompts`
     training prompts with `group_size` completions each, score them with the job's verifier or grader,

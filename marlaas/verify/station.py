@@ -4,7 +4,9 @@ Idempotent and Celery-free (tasks/verify.py wraps it): a duplicate verify rewrit
 and rewards are accepted only for the rollout attempt they were computed on. Work comes in the kinds
 the leases name (marlaas.types.ItemKind): VER (groups) and EVALVER (evaluations, idx = version).
 Settings come in as arguments (`tool_url`), read by the process edge. Grader errors are counted
-and shown to the tenant by `job_scoring.report_train` / `report_eval` (which may fail the job).
+and shown to the tenant by `job_scoring.report_train` / `report_eval` (which may fail the job). Each
+written evaluation moves the job's `@best` (in the same store script) and runs the reward-hacking
+alarm (`check_reward_hacking`: a warning notice, and a pause if the spec asks).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from marlaas.store import Store
 from marlaas.tools import agentic
 from marlaas.types import ACTIVE_STATUSES, ItemKind, eval_versions
 from marlaas.verify import evaluation
+from marlaas.verify.alarm import reward_hacking
 
 log = logging.getLogger("marlaas.verify")
 
@@ -84,10 +87,26 @@ def run_verify(store: Store, jid: str, kind: str, idxs: list[int], tool_url: str
             {"prompt": r["row"]["prompt"], "text": r["text"], "reward": s.rewards[0],
              "samples_correct": sum(1 for x in s.rewards[1:] if x >= evaluation.FULL)}
             for r, s in zip(ev["rows"], scores)])
-        store.put_eval_result(jid, v, result)
+        store.put_eval_result(jid, v, result)  # moves the job's @best too (marlaas.store.serving)
         accepted += 1
+        check_reward_hacking(store, jid, spec, v)
         if not report_eval(store, jid, spec, v, ev["rows"], scores):  # too many rows erred: the job failed
             return accepted
         if all(store.has_evals(jid, eval_versions(spec.steps, spec.eval_every))):
             store.set_status(jid, "done")
     return accepted
+
+
+def check_reward_hacking(store: Store, jid: str, spec, v: int) -> bool:
+    """After the evaluation of version v: the reward-hacking alarm (`marlaas.verify.alarm`) as a
+    warning notice, once per version; with `pause_on_reward_hacking`, a job still training is paused
+    (resumable). True when it fired."""
+    alarm = reward_hacking(store.best(jid)["exact"], evaluation.train_rewards(store.metrics(jid)), v,
+                           spec.reward_hacking_drop, spec.reward_hacking_rise)
+    if alarm is None or not store.add_notice(jid, "warning", alarm.data(), phase=f"hacking:{v}", limit=1):
+        return False
+    log.warning("job %s: %s", jid, alarm.message())
+    if spec.pause_on_reward_hacking and v < spec.steps:
+        store.transition_status(jid, ACTIVE_STATUSES, "paused")
+    return True
+

@@ -2,6 +2,7 @@
 a pin wins until dropped, and an evaluation racing a promote never leaves `@best` half moved; serving
 requests a generate call has no room for go back to the front of the sample queue."""
 
+import json
 import random
 import threading
 
@@ -122,3 +123,25 @@ def test_requests_over_the_share_wait_at_the_front_of_the_queue(st):
     one = SampleBatch(ts, engine=None, requests=[GenRequest(key="rbig", prompt="x", adapter=None, n=9)],
                       bodies={"rbig": {}})
     assert one.limit(2) == [] and one.rows() == 9  # one request always rides: serving never starves
+
+
+def test_the_alarm_is_a_warning_notice_once_and_pauses_when_asked(st):
+    from marlaas.spec import JobSpec
+    from marlaas.store import metrics_key
+    from marlaas.verify.station import check_reward_hacking
+
+    rows = [{"prompt": "1+1=", "answer": "2"}]
+    for pause in (False, True):
+        spec = JobSpec(task="add", steps=8, eval_every=4, pause_on_reward_hacking=pause)
+        jid = st.create_job(spec, rows, rows)
+        st.put_eval_result(jid, 0, _ev(0.5))
+        for s, reward in enumerate((0.1, 0.2, 0.6, 0.8), start=1):  # the per-step metrics a publish writes
+            st.r.rpush(metrics_key(jid), json.dumps({"step": s, "reward_mean": reward}))
+        st.put_eval_result(jid, 4, _ev(0.5))
+        assert not check_reward_hacking(st, jid, spec, 4)  # exact held: quiet
+        st.put_eval_result(jid, 4, _ev(0.25))
+        assert check_reward_hacking(st, jid, spec, 4)
+        assert not check_reward_hacking(st, jid, spec, 4)  # a duplicate evaluation: one notice
+        notes = [n for n in st.notices(jid) if n["data"].get("alarm") == "reward_hacking"]
+        assert len(notes) == 1 and notes[0]["type"] == "warning" and notes[0]["data"]["version"] == 4
+        assert st.job(jid).status == ("paused" if pause else "running")
