@@ -44,7 +44,8 @@ def create_app(store_url: str | None = None, home: Path | None = None, *, open: 
     app = FastAPI(title="marlaas", version="0.1.0",
                   description="Multi-tenant asynchronous RL fine-tuning of LLMs with LoRA adapters.",
                   responses={code: {"model": ErrorOut} for code in (401, 404, 422, 429)})
-    app.state.service, app.state.settings, app.state.limiter = service, s, RateLimiter(s.rate, s.burst)
+    limiter = RateLimiter(s.rate, s.burst, service.store.r.connection_pool)  # one budget across API processes
+    app.state.service, app.state.settings, app.state.limiter = service, s, limiter
     app.add_middleware(BodyLimit, max_body=s.max_body_bytes, max_file=s.max_file_bytes, upload_path=files.PATH)
     install_error_handlers(app)
     for module in (health, jobs, files, tenants, graders, verifiers, tinker, openai):  # tinker, openai: other wires

@@ -8,9 +8,9 @@ Invariants:
 - A caller is named by `Authorization: Bearer <token>` or by the Tinker SDK's `X-API-Key: tml-<token>`
   (the `tml-` prefix stripped; the key wins when both are sent). A malformed Authorization header is
   401, as is an unknown token.
-- Every authenticated request takes one token from its caller's bucket first (keyed by a hash of the
-  token, or by the peer address without one): over the rate it is 429 with Retry-After, before the
-  token is even looked up.
+- Every authenticated request is counted against its caller's rate limit first (keyed by a hash of the
+  token, or by the peer address without one; kept in the store's Redis, so one budget across every API
+  process): over the rate it is 429 with Retry-After, before the token is even looked up.
 - Without a token, a request is the open single user only when the app was created open, the peer is
   on loopback and no tenant exists (`Service.authenticate`); otherwise 401.
 - The app keeps one `Service` (app.state.service), one `RateLimiter` (app.state.limiter) and its

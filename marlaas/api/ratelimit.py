@@ -1,35 +1,53 @@
-"""The API's per-caller rate limit: one in-process token bucket per token (per peer address without one).
+"""The API's per-caller rate limit, kept in the deployment's Redis so that it holds across API processes.
 
-Invariants: thread-safe; the least recently used keys beyond `max_keys` are forgotten, which only ever
-gives a caller a full bucket back; rate 0 disables the limit. With several server processes, each has
-its own buckets.
+Built on the `limits` library (the storage and moving-window strategy `slowapi` uses), not a hand-written
+bucket: every API process behind a proxy takes from the same budget, so adding processes never
+multiplies a tenant's rate.
+
+Invariants: a caller may send at most `burst` requests (at least `rate` x window) in any moving window
+of `window` = round(burst / rate) seconds (at least 1): `rate` per second sustained, `burst` back to back;
+rate 0 disables the limit; the budget lives under the store's `RATELIMIT` prefix, keyed by the caller's
+key (a hash of its token, or its peer address), so two processes on one Redis share one budget; a Redis
+failure is `StoreUnavailable` (503), never a silent pass. Without a Redis connection pool (unit use)
+the budget is in-process memory.
 """
 
 from __future__ import annotations
 
-import threading
+import math
 import time
-from collections import OrderedDict
+
+from limits import RateLimitItemPerSecond
+from limits.errors import StorageError
+from limits.storage import MemoryStorage, RedisStorage, Storage
+from limits.strategies import MovingWindowRateLimiter
+from redis import ConnectionPool
+
+from marlaas.errors import StoreUnavailable
+from marlaas.store.keys import RATELIMIT
 
 
 class RateLimiter:
-    """Token buckets keyed by caller: `rate` tokens per second, `burst` at most."""
+    """A moving window per caller key: `rate` requests per second sustained, `burst` at most at once,
+    in Redis through `pool` (the store's connection pool) or in memory without one."""
 
-    def __init__(self, rate: float, burst: int, max_keys: int = 65_536):
-        self.rate, self.burst, self.max_keys = rate, burst, max_keys
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
-        self._lock = threading.Lock()
+    def __init__(self, rate: float, burst: int, pool: ConnectionPool | None = None):
+        self.rate, self.burst = rate, burst
+        self.window = max(1, round(burst / rate)) if rate > 0 else 1
+        self.item = RateLimitItemPerSecond(max(burst, math.ceil(rate * self.window)), self.window)
+        storage: Storage = (MemoryStorage() if pool is None else
+                            RedisStorage("redis://", connection_pool=pool, key_prefix=RATELIMIT,
+                                         wrap_exceptions=True))
+        self.limiter = MovingWindowRateLimiter(storage)
 
-    def take(self, key: str, now: float | None = None) -> float:
-        """0 when the caller may go on (one token taken), else the seconds until a token is back."""
+    def take(self, key: str) -> float:
+        """0 when the caller may go on (one request counted), else the seconds until it may retry."""
         if self.rate <= 0:
             return 0.0
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            tokens, last = self._buckets.pop(key, (float(self.burst), now))
-            tokens = min(float(self.burst), tokens + (now - last) * self.rate)
-            wait = 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.rate
-            self._buckets[key] = (tokens - 1.0 if wait == 0.0 else tokens, now)
-            while len(self._buckets) > self.max_keys:
-                self._buckets.popitem(last=False)
-            return wait
+        try:
+            if self.limiter.hit(self.item, key):
+                return 0.0
+            reset = self.limiter.get_window_stats(self.item, key).reset_time
+        except StorageError as e:
+            raise StoreUnavailable(f"the rate limit's store does not answer ({e.storage_error})") from None
+        return max(reset - time.time(), 0.1)

@@ -26,6 +26,7 @@ TOKENS = P + "tokens"
 WORKERS = P + "workers"
 BASE_MANIFEST = P + "base:manifest"
 SWEEP_LOCK = P + "sweep:lock"  # one artifact sweep at a time (marlaas/store/blobs.py)
+RATELIMIT = P + "ratelimit"  # the API's shared rate limits: the `limits` library's keys under it (api/ratelimit.py)
 ENDED = P + "jobs:ended"  # zset job -> when it ended (garbage collection after the retention period)
 
 

@@ -2,14 +2,17 @@
 checkpoints and sampling sessions (part of the store layer; the key names are built in marlaas/store/keys.py).
 
 Key schema (prefix `m:tk:`):
-  m:tk:seq                      INCR counter for session, model, sampler and request ids
+  (ids)                         session 'ts-', model 'tk-', sampler 'ss-' and request 'r-' + 16 random
+                                URL-safe characters (`secrets`): unguessable, and they count nothing
+  m:tk:open:{kind}:{tenant}     zset request id -> created: the tenant's pending futures, kind 'op'
+                                (training ops) or 'sample'; bounded by the plan at the door
   m:tk:session:{s}              hash: tenant, created, beat (last heartbeat), ended (finish reason:
                                 success|errored|interrupted|expired, first wins), detail
   m:tk:session:{s}:models       set of the session's model ids
   m:tk:model:{m}                hash: tenant, session, base, rank, seed, train_attn/mlp/unembed, alpha,
                                 created, sampler_v (last sampler snapshot number), steps, last (last request
                                 time); a model made with the SDK's model_seq_id is '{session}:train:{seq}',
-                                the id the SDK derives itself, else 'tk{n}'
+                                the id the SDK derives itself, else 'tk-...'
   m:tk:q:{m}                    zset request id -> client seq_id: the model's ops not yet run
   m:tk:fut:{r}                  hash: tenant, model, kind, seq, body (JSON request), status
                                 (pending|done|failed), result (JSON), error, category; 1 day TTL once ended
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import time
 
 from marlaas.adapters import default_alpha
@@ -47,7 +51,7 @@ from marlaas.store.blobs import tmp_owner
 from marlaas.store.keys import TK, WAKE, future_key, model_key, queue_key, sampler_key, session_key, session_models_key
 from marlaas.store.tinker_weights import TinkerWeights
 
-SEQ = TK + "seq"
+OPEN = TK + "open:"
 PENDING_TRAIN = TK + "pending:train"
 PENDING_SAMPLE = TK + "pending:sample"
 FUTURE_TTL_S = 86_400
@@ -77,7 +81,21 @@ class TinkerStore(TinkerWeights):
         self.r = store.r
 
     def _id(self, prefix: str) -> str:
-        return f"{prefix}{self.r.incr(SEQ)}"
+        # Random, not a counter: a global counter would let one tenant count everyone's activity.
+        return f"{prefix}-{secrets.token_urlsafe(12)}"
+
+    @staticmethod
+    def _open_key(kind: str, tenant: str) -> str:
+        return f"{OPEN}{'sample' if kind == 'sample' else 'op'}:{tenant}"
+
+    def open_count(self, tenant: str, kind: str) -> int:
+        """How many of the tenant's futures of `kind` ('sample', or any op kind) are pending. Entries
+        older than the futures' TTL are dropped first (a future a crashed worker never ended)."""
+        key = self._open_key(kind, tenant)
+        p = self.r.pipeline()
+        p.zremrangebyscore(key, "-inf", time.time() - FUTURE_TTL_S)
+        p.zcard(key)
+        return int(p.execute()[1])
 
     def _owned(self, key: str, tenant: str | None, what: str) -> dict[str, str]:
         h = {k.decode(): _s(v) for k, v in self.r.hgetall(key).items()}
@@ -135,7 +153,7 @@ class TinkerStore(TinkerWeights):
     def create_model(self, tenant: str, session: str, base: str, lora: dict, seq: int | None = None,
                      user_metadata: dict | None = None) -> str:
         """A new model of the session: '{session}:train:{seq}' with the SDK's model_seq_id (the id the
-        SDK derives; asked again, the same model), else 'tk{n}'. The client's user_metadata (string
+        SDK derives; asked again, the same model), else 'tk-' + random. The client's user_metadata (string
         values) is kept as JSON: its training run shows it (the cookbook records its renderer there)."""
         h = self.session(tenant, session)
         if h.get("ended"):
@@ -187,6 +205,9 @@ class TinkerStore(TinkerWeights):
         p.hset(future_key(rid), mapping=mapping)
         if result is not None:
             p.expire(future_key(rid), FUTURE_TTL_S)
+        else:
+            p.zadd(self._open_key(kind, tenant), {rid: mapping["created"]})
+            p.expire(self._open_key(kind, tenant), FUTURE_TTL_S)
         p.execute()
         return rid
 
@@ -207,10 +228,12 @@ class TinkerStore(TinkerWeights):
                 "tenant": h["tenant"], "status": h["status"], "body": json.loads(self.store.unspill(h, "body") or "{}")}
 
     def _end(self, rid: str, mapping: dict) -> None:
-        status, body_ref = (_s(x) for x in self.r.hmget(future_key(rid), "status", "body_ref"))
+        status, body_ref, tenant, kind = (_s(x) for x in self.r.hmget(future_key(rid), "status", "body_ref",
+                                                                       "tenant", "kind"))
         if status != "pending":
             return  # written once: a cancelled or released future keeps its first end
         p = self.r.pipeline()
+        p.zrem(self._open_key(kind or "", tenant or ""), rid)
         p.hset(future_key(rid), mapping=mapping)
         p.hdel(future_key(rid), "body", "body_ref")
         p.expire(future_key(rid), FUTURE_TTL_S)
