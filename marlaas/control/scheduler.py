@@ -28,6 +28,15 @@ of the ready jobs and models in `trainer_order`, and the plan says which (`Plan.
 `Plan.tinker`, never both) with the lane weight to charge. A plan is frozen: the tick carries it out
 as decided.
 
+Station pools per tenant (`pool_share`, `may_take_slot`): the verify pool's processes are shared
+the same way. While another tenant has verify work waiting, a tenant holds at most its plan-weighted
+share of the pool (at least one process); alone it may use the whole pool. The verify task asks
+before it runs (tasks/verify.py, over `marlaas.store.slots`) and a task past its tenant's share goes
+back to the queue, so a slow grader delays only its own tenant. Generate batches are mixed across
+tenants by rows: `_interleave` keys a job's k-th group by the rows it has been given over its
+tenant's weight split over the tenant's training jobs (`lane_weights`), so a tenant with many jobs or
+large groups gets no more generated rows per round than its share.
+
 Preflights (`JobState.preflight`, a learnability check: marlaas.verify.preflight): a preflight job
 is one step of N groups at version 0 with staleness 0, so admission lets exactly its N groups out;
 it never gets the trainer lane, never an evaluation, and counts for neither the per-tenant lane
@@ -38,6 +47,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -179,10 +189,33 @@ def id_number(jid: str) -> tuple[int, str]:
     return (int(digits) if digits else 0, jid)
 
 
+def pool_share(tenant: str, capacity: int, weights: Mapping[str, float], competing: Iterable[str]) -> int:
+    """A tenant's share of a station pool of `capacity` processes among the `competing` tenants (those
+    holding or wanting a process; the tenant itself always counts): its weight's fraction of the
+    pool, rounded down, at least one process. Unknown tenants weigh 1."""
+    names = {*competing, tenant}
+    total = sum(max(weights.get(t, 1.0), 1e-9) for t in names)
+    return max(1, int(capacity * max(weights.get(tenant, 1.0), 1e-9) / total + 1e-9))
+
+
+def may_take_slot(tenant: str, capacity: int, weights: Mapping[str, float], running: Mapping[str, int],
+                  waiting: Iterable[str]) -> bool:
+    """Whether the tenant's next task may take a process of the pool now. `running`: processes each
+    tenant holds; `waiting`: tenants with work waiting for the pool (recently asked or refused). Alone
+    (no other tenant waiting) a tenant may use the whole pool; otherwise at most `pool_share` of it,
+    where the tenants competing are the others waiting and the others holding processes."""
+    others = {t for t in waiting if t != tenant}
+    if not others:
+        return True
+    competing = others | {t for t, n in running.items() if n > 0 and t != tenant}
+    return running.get(tenant, 0) < pool_share(tenant, capacity, weights, competing)
+
+
 def _interleave(jobs: tuple[JobState, ...]) -> list[Item]:
     """Admissible new groups of all jobs, merged so that a batch mixes tenants in proportion to their
-    weights (the k-th group of a job with weight w gets the key (k + 1) / w; equal keys go to the job
-    whose next step is blocked on generation, then to the lower pass)."""
+    weights, in rows: the k-th group of a job gets the key (k + 1) * group_size / w, with w its
+    tenant's weight split over the tenant's training jobs (`lane_weights`); equal keys go to the job
+    whose next step is blocked on generation, then to the lower pass."""
     return list(_interleave_iter(jobs))
 
 
@@ -200,14 +233,16 @@ def _interleave_iter(jobs: tuple[JobState, ...]):
 
     open_jobs = [(j, admission_limit(j.version, j.staleness, j.groups_per_step, j.steps)) for j in jobs]
     open_jobs = sorted(((j, lim) for j, lim in open_jobs if lim > j.dispatched), key=lambda x: urgency(x[0]))
-    heap = [(1.0 / j.weight, rank, 0) for rank, (j, _) in enumerate(open_jobs)]
+    split = lane_weights(jobs)  # per tenant: a tenant's many jobs share its weight
+    stride = [max(1, j.group_size) / max(split[j.id], 1e-9) for j, _ in open_jobs]
+    heap = [(stride[rank], rank, 0) for rank in range(len(open_jobs))]
     heapq.heapify(heap)
     while heap:
         _, rank, k = heap[0]
         j, limit = open_jobs[rank]
         yield WorkItem(ItemKind.GEN, j.id, j.dispatched + k)
         if j.dispatched + k + 1 < limit:
-            heapq.heapreplace(heap, ((k + 2) / j.weight, rank, k + 1))
+            heapq.heapreplace(heap, ((k + 2) * stride[rank], rank, k + 1))
         else:
             heapq.heappop(heap)
 

@@ -1,0 +1,72 @@
+"""The verify pool's per-tenant slots on a real Redis (`marlaas.store.slots.PoolSlots` deciding with
+`scheduler.may_take_slot`, as tasks/verify.py does): a tenant past its share is refused while another
+waits; alone it may use the whole pool; racing takes never exceed a share."""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+
+import pytest
+
+from marlaas.control.scheduler import may_take_slot
+from marlaas.store.slots import PoolSlots
+
+pytestmark = pytest.mark.integration
+
+
+def decide(tenant, state):
+    return may_take_slot(tenant, state.capacity, {}, state.running, state.waiting)
+
+
+def test_alone_a_tenant_takes_every_process(st):
+    pool = PoolSlots(st, "verify")
+    assert all(pool.take("a", f"p{i}", partial(decide, "a"), now=100.0) for i in range(4))
+    assert pool.state(100.0).running == {"a": 4}
+    assert pool.state(100.0).capacity == 4
+
+
+def test_a_slow_tenant_is_held_to_half_while_a_victim_waits(st):
+    pool = PoolSlots(st, "verify")
+    for i in range(4):  # the pool's four processes are seen (they ran something earlier)
+        pool.take("x", f"p{i}", lambda s: False, now=10.0)
+    now = 100.0
+    assert pool.take("victim", "p0", partial(decide, "victim"), now=now)  # the victim asked: it waits
+    pool.release("p0")
+    assert pool.take("attacker", "p1", partial(decide, "attacker"), now=now)
+    assert pool.take("attacker", "p2", partial(decide, "attacker"), now=now)
+    assert not pool.take("attacker", "p3", partial(decide, "attacker"), now=now)  # past its half
+    assert pool.take("victim", "p3", partial(decide, "victim"), now=now)
+    # once the victim has asked nothing for want_s, the attacker may use the whole pool again
+    pool.release("p3")
+    later = now + pool.want_s + 1
+    assert pool.take("attacker", "p3", partial(decide, "attacker"), now=later)
+    assert pool.take("attacker", "p0", partial(decide, "attacker"), now=later)
+
+
+def test_a_process_holds_one_slot_and_a_lost_hold_ends(st):
+    pool = PoolSlots(st, "verify", hold_s=5.0)
+    pool.take("a", "p0", lambda s: True, now=100.0)
+    pool.take("a", "p0", lambda s: True, now=101.0)  # the same process: its earlier task ended
+    assert pool.state(101.0).running == {"a": 1}
+    assert pool.state(107.0).running == {}  # a process killed mid-task holds nothing past hold_s
+
+
+def test_racing_takes_never_exceed_a_share(st):
+    pool = PoolSlots(st, "verify")
+    for i in range(8):  # eight processes seen (tenant x's want mark is long gone by now)
+        pool.take("x", f"p{i}", lambda s: False, now=10.0)
+    pool.take("victim", "p7", lambda s: False, now=100.0)  # the victim waits
+    got = []
+
+    def ask(i):
+        got.append(PoolSlots(st, "verify").take("attacker", f"p{i}", partial(decide, "attacker"), now=100.0))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    capacity = pool.state(100.0).capacity
+    assert capacity == 8
+    assert sum(got) == 4, got
