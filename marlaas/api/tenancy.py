@@ -53,6 +53,9 @@ class Quotas(BaseModel):
     """Largest row (prompt, answer and any fields, as JSON)."""
     max_dataset_bytes: int = Field(64 << 20, ge=1024)
     """Largest dataset (training plus held-out rows, as JSON)."""
+    max_concurrent_dry_runs: int = Field(2, ge=1, le=64)
+    """Grader dry runs (`POST /v1/graders/run`) of the tenant running at once in one API process; past
+    it, 429. Each runs in a child process limited in memory and time (`marlaas.api.dryruns`)."""
     storage_bytes: int = Field(20 << 30, ge=0)
     """Bytes the tenant keeps in the artifact store (adapter versions, optimizer states, Tinker
     checkpoints, uploads): at or past it, new jobs, uploads and Tinker checkpoints are refused (413)

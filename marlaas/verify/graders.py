@@ -7,7 +7,8 @@ Types (`Grader`, a union keyed by `type`):
   (input contains reference) or ilike (the same, ignoring case): 1.0 or 0.0.
 - `text_similarity`: `evaluation_metric` over the rendered `input` and `reference`
   (`marlaas.verify.similarity`: fuzzy_match, bleu, gleu, rouge_1..rouge_5, rouge_l), a float in
-  [0, 1]; with `pass_threshold`, 1.0 when the metric reaches it, else 0.0.
+  [0, 1]; with `pass_threshold`, 1.0 when the metric reaches it, else 0.0. Token metrics compare
+  the first 4,096 tokens of each text, rouge_l the first 512 (its cost is quadratic).
 - `python`: `source` (at most `MAX_SOURCE` bytes) defines `grade(sample, item) -> float`; it runs
   ONLY in the sandbox (`marlaas.verify.sandbox`: no network, empty environment, no credentials, read-
   only mounts), one sandbox program per call with the grader's `timeout_s` as CPU and wall-clock limit
@@ -26,6 +27,10 @@ Types (`Grader`, a union keyed by `type`):
 Templates: `{{item.FIELD}}` (a column of the row; a non-string value is written as JSON) and
 `{{sample.output_text}}` (the completion); any other `{{...}}` is refused at validation. A rendered
 string is cut to `MAX_TEXT` characters, so in-process graders are pure and bounded.
+
+Costs: every in-process grader is bounded by its inputs (MAX_TEXT characters, the token caps
+above); `dry_run` grades one sample (a `multi`'s sub-graders once each) for the API, which runs it
+in a child process under a memory and time limit (`marlaas.api.dryruns`).
 
 Invariants: `grade_groups` never raises for a grader that loaded: a completion a grader cannot score
 gets 0.0 and is counted in `GroupScore.errors`, first message kept (one line). `GraderLoadError` (a
@@ -46,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from marlaas.errors import GraderLoadError, MarlaasError, SpecError, VerifierError, one_line  # noqa: F401  (GraderLoadError re-exported)
 from marlaas.verify import formula, similarity
+from marlaas.verify.grader_python import in_range, python_outcome, python_program, run_python
 from marlaas.verify.verifiers import BUILTIN, GroupScore
 
 MAX_SOURCE = 256 * 1024
@@ -53,11 +59,9 @@ MAX_TEMPLATE = 4096
 MAX_TEXT = 20_000
 MAX_SUBGRADERS = 16
 MAX_DEPTH = 3
-_RANGE_EPS = 1e-9
 _TEMPLATE = re.compile(r"\{\{(.*?)\}\}", re.S)
 _FIELD = re.compile(r"^\s*(?:item\.([A-Za-z_][A-Za-z0-9_]{0,63})|sample\.(output_text))\s*$")
 _SUBNAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
-_MARK = "__marlaas_grade__="
 
 
 def check_template(text: str) -> str:
@@ -120,7 +124,8 @@ class TextSimilarityGrader(_GraderBase):
     reference: str = Field(max_length=MAX_TEMPLATE)
     """The text graded against, a template."""
     evaluation_metric: str
-    """fuzzy_match, bleu, gleu, rouge_1, rouge_2, rouge_3, rouge_4, rouge_5 or rouge_l."""
+    """fuzzy_match, bleu, gleu, rouge_1..rouge_5 or rouge_l (these compare the first 4,096 tokens of each
+    text, rouge_l the first 512)."""
     pass_threshold: float | None = Field(None, ge=0.0, le=1.0)
     """When set, the reward is 1.0 if the metric reaches it, else 0.0; None: the metric itself."""
 
@@ -274,19 +279,6 @@ Outcome = tuple[float, str | None]
 Finish = Callable[[list], list[Outcome]]
 
 
-def _in_range(value: object, what: str) -> float:
-    if isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, (int, float)):
-        raise TypeError(f"{what} returned {type(value).__name__}, not a number")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{what} returned {value}")
-    if not -_RANGE_EPS <= value <= 1 + _RANGE_EPS:
-        raise ValueError(f"{what} returned {value}, outside [0, 1]")
-    return min(1.0, max(0.0, value))
-
-
 def _each(completions: list[str], fn: Callable[[str], float]) -> list[Outcome]:
     out: list[Outcome] = []
     for c in completions:
@@ -310,40 +302,6 @@ def _text_similarity(g: TextSimilarityGrader, item: Mapping, c: str) -> float:
     return value
 
 
-def python_program(g: PythonGrader, sample: dict, item: Mapping) -> str:
-    """The sandbox program of one call: the tenant's source in its own namespace, grade(sample, item)
-    on JSON copies, its prints discarded, the number printed after a marker."""
-    return (
-        "import json as _j, sys as _s\n"
-        "class _Sink:\n"
-        "    def write(self, t):\n        return len(t)\n"
-        "    def flush(self):\n        pass\n"
-        "_out = _s.stdout\n"
-        "_s.stdout = _s.stderr = _Sink()\n"
-        f"_sample = _j.loads({json.dumps(sample)!r})\n"
-        f"_item = _j.loads({json.dumps(dict(item))!r})\n"
-        "_ns = {'__name__': '__grader__'}\n"
-        f"exec(compile({g.source!r}, '<grader>', 'exec'), _ns)\n"
-        "_v = _ns['grade'](_sample, _item)\n"
-        "if not isinstance(_v, (bool, int, float)):\n"
-        "    raise TypeError(f'grade returned {type(_v).__name__}, not a number')\n"
-        f"_out.write('\\n{_MARK}' + repr(float(_v)) + '\\n')\n"
-        "_out.flush()\n"
-    )
-
-
-def _python_outcome(result) -> Outcome:
-    if not result.ok:
-        return 0.0, one_line(f"python grader: {result.error or result.status}")
-    line = next((ln for ln in reversed(result.stdout.splitlines()) if ln.startswith(_MARK)), None)
-    if line is None:
-        return 0.0, "python grader: no result (output lost)"
-    try:
-        return _in_range(float(line[len(_MARK):]), "grade"), None
-    except ValueError as e:
-        return 0.0, one_line(f"python grader: {e}")
-
-
 def _prepare(g, item: Mapping, comps: list[str], programs: list, registered: Mapping[str, str]) -> Finish:
     """Score what runs in-process now; queue python calls in `programs` (with their limits); return
     the function that, given the sandbox results of the whole batch, yields this node's outcomes."""
@@ -359,28 +317,28 @@ def _prepare(g, item: Mapping, comps: list[str], programs: list, registered: Map
     if isinstance(g, PythonGrader):
         start = len(programs)
         programs.extend((python_program(g, {"output_text": c}, item), g) for c in comps)
-        return lambda results: [_python_outcome(r) for r in results[start:start + len(comps)]]
+        return lambda results: [python_outcome(r) for r in results[start:start + len(comps)]]
     if isinstance(g, MultiGrader):
-        tree = formula.parse_formula(g.calculate_output, frozenset(g.graders))
         subs = {k: _prepare(s, item, comps, programs, registered) for k, s in g.graders.items()}
-
-        def finish(results: list) -> list[Outcome]:
-            by_name = {k: f(results) for k, f in subs.items()}
-            out: list[Outcome] = []
-            for i in range(len(comps)):
-                err = next((f"{k}: {by_name[k][i][1]}" for k in by_name if by_name[k][i][1]), None)
-                if err:
-                    out.append((0.0, one_line(err)))
-                    continue
-                try:
-                    value = formula.evaluate(tree, {k: by_name[k][i][0] for k in by_name})
-                    out.append((_in_range(value, "calculate_output"), None))
-                except (formula.FormulaError, ValueError, TypeError) as e:
-                    out.append((0.0, one_line(e, typed=True)))
-            return out
-
-        return finish
+        return lambda results: _combine(g, {k: f(results) for k, f in subs.items()}, len(comps))
     raise GraderLoadError(f"unknown grader type {type(g).__name__}")
+
+
+def _combine(g: MultiGrader, by_name: dict[str, list[Outcome]], n: int) -> list[Outcome]:
+    """A multi grader's outcomes from its sub-graders' (an erring sub-grader makes the completion err)."""
+    tree = formula.parse_formula(g.calculate_output, frozenset(g.graders))
+    out: list[Outcome] = []
+    for i in range(n):
+        err = next((f"{k}: {by_name[k][i][1]}" for k in by_name if by_name[k][i][1]), None)
+        if err:
+            out.append((0.0, one_line(err)))
+            continue
+        try:
+            out.append((in_range(formula.evaluate(tree, {k: by_name[k][i][0] for k in by_name}),
+                                  "calculate_output"), None))
+        except (formula.FormulaError, ValueError, TypeError) as e:
+            out.append((0.0, one_line(e, typed=True)))
+    return out
 
 
 def _builtin(g: BuiltinGrader, item: Mapping, comps: list[str], registered: Mapping[str, str]) -> list[Outcome]:
@@ -407,18 +365,6 @@ def _builtin_value(value: object) -> float:
     return float(value)
 
 
-def _run_python(queued: list) -> list:
-    """Run every queued python call in ONE sandbox batch (limits: the strictest of the graders
-    queued); SandboxError when the sandbox itself fails."""
-    from marlaas.verify.sandbox import Limits, run_batch
-
-    if not queued:
-        return []
-    timeout = min(g.timeout_s for _, g in queued)
-    limits = Limits(cpu_s=max(1, math.ceil(timeout)), wall_s=timeout, memory_mb=min(g.memory_mb for _, g in queued))
-    return run_batch([p for p, _ in queued], limits)
-
-
 def grade_groups(grader, items: list[tuple[Mapping, list[str]]],
                  registered: Mapping[str, str] | None = None) -> list[GroupScore]:
     """Score several groups (row, completions): in-process graders now, every python call of every
@@ -429,7 +375,7 @@ def grade_groups(grader, items: list[tuple[Mapping, list[str]]],
     programs: list = []
     finishes = [_prepare(grader, item, list(comps), programs, registered or {}) for item, comps in items]
     try:
-        results = _run_python(programs)
+        results = run_python(programs)
     except SandboxError as e:
         err = one_line(e, typed=True)
         return [GroupScore(rewards=[0.0] * len(comps), errors=len(comps), error=err) for _, comps in items]
@@ -446,3 +392,22 @@ def grade_group(grader, item: Mapping, completions: list[str],
                 registered: Mapping[str, str] | None = None) -> GroupScore:
     """Score one group of completions of one row (see grade_groups)."""
     return grade_groups(grader, [(item, completions)], registered)[0]
+
+
+def dry_run(grader, item: Mapping, output_text: str, registered: Mapping[str, str] | None = None) -> dict:
+    """One sample graded once: {"reward", "error", "sub_rewards"} (a `multi`'s sub-graders' rewards, None
+    where one erred, from the same run as its reward). GraderLoadError when the grader cannot load."""
+    from marlaas.verify.sandbox import SandboxError
+
+    programs: list = []
+    is_multi = isinstance(grader, MultiGrader)
+    parts = grader.graders if is_multi else {"": grader}
+    finishes = {k: _prepare(s, item, [output_text], programs, registered or {}) for k, s in parts.items()}
+    try:
+        results = run_python(programs)
+    except SandboxError as e:
+        return {"reward": 0.0, "error": one_line(e, typed=True), "sub_rewards": {}}
+    by_name = {k: f(results) for k, f in finishes.items()}
+    reward, error = _combine(grader, by_name, 1)[0] if is_multi else by_name[""][0]
+    subs = {k: None if o[0][1] else o[0][0] for k, o in by_name.items()} if is_multi else {}
+    return {"reward": reward, "error": error, "sub_rewards": subs}
