@@ -1,5 +1,5 @@
 """The child process of `rg_guard.make_split_bounded`: limits itself, then makes one job's reasoning-gym
-rows. A request {"name", "config", "seed", "n_train", "n_held"} on stdin; {"train", "held"} or
+rows. A request {"name", "config", "seed", "n_train", "n_held", "cpu_s"} on stdin; {"train", "held"} or
 {"error": one line} on stdout. Run as `python -m marlaas.verify._rg_rows`; never imported by the service.
 """
 
@@ -12,10 +12,10 @@ from marlaas.errors import TaskSourceError, one_line
 from marlaas.verify.rg_guard import CPU_S, DATASET_MB, MEMORY_MB
 
 
-def _limit_self() -> None:
+def _limit_self(cpu_s: int) -> None:
     import resource
 
-    resource.setrlimit(resource.RLIMIT_CPU, (CPU_S, CPU_S + 1))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_MB << 20, MEMORY_MB << 20))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
@@ -27,8 +27,8 @@ def _rss_mb() -> float:
 
 
 def main() -> None:
-    _limit_self()
     req = json.loads(sys.stdin.read())
+    _limit_self(int(req.get("cpu_s", CPU_S)))
     from marlaas.verify import reasoning_gym
 
     reasoning_gym.registry()  # the library's own memory is not the dataset's

@@ -97,6 +97,7 @@ def parse_task(task: str, config: dict | None = None) -> tuple[str, dict]:
     if why:
         raise TaskSourceError(why)
     rg_guard.check_config_values(name, cfg)
+    rg_guard.check_config_cost(name, cfg)
     _check_config(name, cfg)
     return name, cfg
 

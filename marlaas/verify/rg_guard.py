@@ -20,11 +20,15 @@ model-written text never runs as code outside the sandbox; every cost a tenant c
    absolute path would read any file the service can read (the store's credentials) into prompts.
    Every other string that looks like a path is refused too.
 3. Rows are generated in a child process (`_rg_rows.py`) with a CPU, memory and wall-clock limit
-   (`make_split_bounded`): generators are lazy and some constructors precompute tables sized by the
-   config (count_primes sieves up to max_n), so a config can ask for unbounded work; the service's
-   processes never run a tenant's config unbounded. A config whose dataset grows the child by more
-   than `DATASET_MB` is refused as well: the verify station re-creates the same dataset to score
-   (cached per worker), so that bound is the verify worker's memory per job too.
+   (`make_split_bounded`: CPU_S of CPU per submit): generators are lazy and some constructors
+   precompute tables sized by the config (count_primes sieves up to max_n: max_n=3e7 cost 42 s per
+   submit), so a config can ask for unbounded work; the service's processes never run a tenant's
+   config unbounded. Where the cost follows from one config field (`COSTLY`: count_primes' max_n,
+   game_of_life's grid and steps, tower_of_hanoi's disks, ...), a value past its bound is refused
+   before any child starts, with one line naming the field (`check_config_cost`). A config whose
+   dataset grows the child by more than `DATASET_MB` is refused as well: the verify station
+   re-creates the same dataset to score (cached per worker), so that bound is the verify worker's
+   memory per job too.
 
 Invariant: `refusal(name)` is None only for tasks whose code (as installed) has no path from text
 to Python execution, or that are in AUDITED; `make_split_bounded` either returns rows made within
@@ -57,10 +61,21 @@ _LOADERS = {("pickle", "loads"), ("pickle", "load"), ("marshal", "loads"), ("dil
             ("yaml", "load"), ("yaml", "unsafe_load")}
 _CODE_MODULES = ("sympy",)
 
-CPU_S = 30
-WALL_S = 60.0
+CPU_S = 10
+WALL_S = 30.0
 MEMORY_MB = 2048  # address space of the child: interpreter, numpy & co. and the dataset
 DATASET_MB = 256  # what the dataset and its rows may add to the child's resident memory
+COSTLY: dict[str, dict[str, tuple[int, str]]] = {
+    "count_primes": {"max_n": (100_000, "it sieves up to max_n and lists every prime of a row's interval")},
+    "game_of_life": {"grid_size_x": (100, "each row simulates the whole grid"),
+                     "grid_size_y": (100, "each row simulates the whole grid"),
+                     "simulation_steps": (100, "each row simulates every step")},
+    "tower_of_hanoi": {"max_disks": (12, "a solution has 2**disks moves")},
+    "rubiks_cube": {"cube_size": (7, "each row renders and scrambles the whole cube"),
+                    "max_scramble_steps": (100, "each row applies every scramble step")},
+    "maze": {"max_grid_size": (100, "each row searches the whole grid")},
+}
+"""Config fields whose value predicts a row-making cost past CPU_S: {task: {field: (largest, why)}}."""
 _CHILDREN = threading.BoundedSemaphore(2)  # row-making children at once per process (memory: 2 x MEMORY_MB)
 
 
@@ -189,10 +204,21 @@ def check_config_values(name: str, config: dict) -> None:
                                       f"paths are not accepted")
 
 
-def make_split_bounded(name: str, config: dict, seed: int, n_train: int, n_held: int) -> tuple[list[dict], list[dict]]:
-    """`reasoning_gym.make_split` in a child process under CPU_S, MEMORY_MB, WALL_S and DATASET_MB (at
-    most two such children per process; a third caller waits for one to end)."""
-    request = json.dumps({"name": name, "config": config, "seed": seed, "n_train": n_train, "n_held": n_held})
+def check_config_cost(name: str, config: dict) -> None:
+    """Refuse a config whose cost `COSTLY` predicts as too large, naming the field (module docstring, 3)."""
+    for key, (largest, why) in COSTLY.get(name, {}).items():
+        value = config.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > largest:
+            raise TaskSourceError(f"reasoning-gym config {key!r} of {name!r} is {value:g}, at most {largest}: "
+                                  f"{why}, past the {CPU_S} s of CPU a submit may spend making rows")
+
+
+def make_split_bounded(name: str, config: dict, seed: int, n_train: int, n_held: int,
+                       cpu_s: int = CPU_S) -> tuple[list[dict], list[dict]]:
+    """`reasoning_gym.make_split` in a child process under `cpu_s` seconds of CPU, MEMORY_MB, WALL_S and
+    DATASET_MB (at most two such children per process; a third caller waits for one to end)."""
+    request = json.dumps({"name": name, "config": config, "seed": seed, "n_train": n_train, "n_held": n_held,
+                          "cpu_s": cpu_s})
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH")}
     env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     what = f"reasoning-gym task {name!r} with this config"
@@ -205,7 +231,7 @@ def make_split_bounded(name: str, config: dict, seed: int, n_train: int, n_held:
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         if proc.returncode in (-9, -24) or "MemoryError" in tail or "Cannot allocate" in tail:
-            raise TaskSourceError(f"{what} needs more than {CPU_S} s of CPU or {MEMORY_MB} MB to make its rows: "
+            raise TaskSourceError(f"{what} needs more than {cpu_s} s of CPU or {MEMORY_MB} MB to make its rows: "
                                   f"make it smaller")
         raise TaskSourceError(f"{what} could not make its rows: {tail[:200]}")
     out = json.loads(proc.stdout)

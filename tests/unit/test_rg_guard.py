@@ -3,6 +3,8 @@ refused, rows are made in a child process under CPU, memory and time limits."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("reasoning_gym")
@@ -59,9 +61,28 @@ def test_config_paths_are_refused():
 
 def test_config_is_checked_without_building_the_dataset():
     # count_primes builds a sieve of max_n entries in its constructor: parse_task must not build it
-    parse_task("reasoning_gym:count_primes", {"max_n": 10**12})
+    parse_task("reasoning_gym:count_primes", {"max_n": 10**5})
     with pytest.raises(TaskSourceError, match="bad config .*max_n"):
         parse_task("reasoning_gym:count_primes", {"min_n": 10, "max_n": 5})
+
+
+def test_configs_whose_cost_is_predictable_are_refused_naming_the_field():
+    t = time.monotonic()
+    with pytest.raises(TaskSourceError, match=r"^reasoning-gym config 'max_n' of 'count_primes' is 3e\+07, at most "
+                                              r"100000: .*CPU a submit may spend making rows$") as e:
+        parse_task("reasoning_gym:count_primes", {"max_n": 3 * 10**7})  # 42 s per submit before
+    assert "\n" not in str(e.value) and time.monotonic() - t < 2.0
+    with pytest.raises(TaskSourceError, match="'simulation_steps' of 'game_of_life'"):
+        parse_task("reasoning_gym:game_of_life", {"simulation_steps": 10**6})
+    parse_task("reasoning_gym:game_of_life", {"simulation_steps": 5})
+
+
+def test_row_making_cpu_is_bounded():
+    # past the predictable bounds (make_split_bounded called directly): the child's RLIMIT_CPU ends it
+    t = time.monotonic()
+    with pytest.raises(TaskSourceError, match=r"count_primes.*needs more than .*make it smaller"):
+        rg_guard.make_split_bounded("count_primes", {"max_n": 3 * 10**7}, seed=0, n_train=256, n_held=8, cpu_s=2)
+    assert time.monotonic() - t < 10
 
 
 def test_rows_are_made_under_limits():
