@@ -8,12 +8,17 @@ Invariants:
 - Request bodies are bounded before they are read whole: a Content-Length over the limit gets 413
   unread; a body without one is counted while it arrives. Uploads (`upload_path`) stream to the route,
   which counts the bytes itself under its own, larger limit.
+- A JSON body (any body but protobuf, multipart, form and octet-stream ones) is refused with 422 before
+  the app sees it when it is nested too deeply for the parser, holds NaN / Infinity, a non-finite number,
+  an integer past 64 bits or a lone UTF-16 surrogate (`json_hygiene`): every door, one check.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,6 +29,50 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from marlaas.errors import Forbidden, MarlaasError, NotFound, RateLimited, SpecError, TooLarge, Unauthorized
 
 log = logging.getLogger("marlaas.api")
+# A JSON escape or raw UTF-8 bytes of a UTF-16 surrogate: the body may hold a lone one (checked precisely).
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_MAX_INT = 2**63 - 1
+_NOT_JSON = (b"protobuf", b"multipart", b"x-www-form-urlencoded", b"octet-stream")
+
+
+def _constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _int(text: str) -> int:
+    if len(text) > 20 or abs(int(text)) > _MAX_INT:
+        raise ValueError(f"the integer {text[:12]}... is out of range (64-bit)")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"the number {text[:12]} is out of range")
+    return v
+
+
+def json_hygiene(body: bytes) -> str | None:
+    """Why a JSON body must be refused before any route reads it, or None: nesting deeper than the parser
+    takes, NaN / Infinity, non-finite floats or integers past 64 bits, lone UTF-16 surrogates (not
+    Unicode: they fail later when the text is encoded). A body that is not JSON at all is left to the
+    route (its own 422)."""
+    try:
+        obj = json.loads(body, parse_constant=_constant, parse_int=_int, parse_float=_float)
+    except RecursionError:
+        return "the JSON body is nested too deeply"
+    except json.JSONDecodeError:
+        return None
+    except (ValueError, UnicodeError) as e:
+        return f"the JSON body holds an invalid value: {str(e).splitlines()[0][:120]}"
+    if _SURROGATE.search(body):
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return "the JSON body holds a lone UTF-16 surrogate (\\ud800-\\udfff): not valid Unicode text"
+    return None
+
+
 # Starlette's own HTTP errors (no route, wrong method) named as the envelope's type.
 _HTTP_TYPES = {c.status: c.__name__ for c in (NotFound, Unauthorized, Forbidden)} | {405: "MethodNotAllowed"}
 
@@ -98,7 +147,12 @@ class BodyLimit:
             chunks.append(body)
             if not msg.get("more_body", False):
                 break
-        replay: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        body = b"".join(chunks)
+        ctype = dict(scope["headers"]).get(b"content-type", b"").lower()
+        if body and not any(t in ctype for t in _NOT_JSON) and (why := json_hygiene(body)):
+            await error_response(SpecError(f"invalid request: {why}"))(scope, receive, send)
+            return
+        replay: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replayed() -> Message:
             return replay.pop() if replay else await receive()

@@ -22,7 +22,7 @@ import json
 import time
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
 from marlaas.api import access, tenancy
@@ -167,10 +167,9 @@ async def get_info(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> d
 
 
 @router.get("/training_runs")
-def list_training_runs(t: str = Tenant, ts: TinkerStore = Tk, limit: int = 20, offset: int = 0) -> dict:
+def list_training_runs(t: str = Tenant, ts: TinkerStore = Tk, limit: int = Query(20, ge=1, le=10_000),
+                       offset: int = Query(0, ge=0, le=2**31)) -> dict:
     """The tenant's own training runs (models), oldest first, a page of them."""
-    if limit < 1 or offset < 0:
-        raise SpecError("invalid request: limit >= 1 and offset >= 0")
     mids = ts.models(t)
     return {"training_runs": [checkpoints.training_run(ts, t, m) for m in mids[offset:offset + limit]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(mids)}}

@@ -91,8 +91,16 @@ class GetInfoRequest(Body):
     type: str = "get_info"
 
 
+class Datum(Body):
+    """One datum of a JSON forward / forward_backward: its tokens and its loss inputs (TensorData
+    objects {"data", "dtype", "shape"} or plain lists)."""
+
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, dict[str, Any] | list[Any]] = {}
+
+
 class FwdBwdInput(Body):
-    data: list[dict[str, Any]] = []
+    data: list[Datum] = []
     loss_fn: str = "cross_entropy"
     loss_fn_config: dict[str, float | str] | None = None
 

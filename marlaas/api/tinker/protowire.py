@@ -32,6 +32,8 @@ def read_tensor(msg: pb.Tensor) -> np.ndarray:
         raise WireError("sparse tensors are not supported in loss_fn_inputs")
     if msg.dtype not in _NP:
         raise WireError(f"tensor dtype {pb.DType.Name(msg.dtype)} is not supported")
+    if len(msg.dense) % np.dtype(_NP[msg.dtype]).itemsize:
+        raise WireError(f"tensor bytes ({len(msg.dense)}) are not whole {pb.DType.Name(msg.dtype)} values")
     arr = np.frombuffer(msg.dense, dtype=_NP[msg.dtype])
     try:
         return arr.reshape(list(msg.shape)) if len(msg.shape) else arr
@@ -44,7 +46,10 @@ def _datum(d: pb.Datum) -> dict:
     for chunk in d.model_input:
         if chunk.WhichOneof("chunk") != "encoded_text":
             raise WireError("only token (encoded_text) chunks are supported, not images or audio")
-        tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+        raw = chunk.encoded_text.tokens
+        if len(raw) % 4:
+            raise WireError(f"token bytes ({len(raw)}) are not whole int32 token ids")
+        tokens.extend(np.frombuffer(raw, dtype=np.int32).tolist())
     return {"tokens": tokens, "inputs": {k: read_tensor(v).tolist() for k, v in d.loss_fn_inputs.items()}}
 
 

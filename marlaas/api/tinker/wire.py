@@ -64,8 +64,8 @@ def json_fwdbwd(inp: models.FwdBwdInput, forward_only: bool) -> dict:
     """The queued payload of a JSON forward / forward_backward input (the SDK's JSON shape)."""
     data = []
     for d in inp.data:
-        inputs = {k: (v.get("data") if isinstance(v, dict) else v) for k, v in (d.get("loss_fn_inputs") or {}).items()}
-        data.append({"tokens": input_tokens(d.get("model_input")), "inputs": inputs})
+        inputs = {k: (v.get("data") if isinstance(v, dict) else v) for k, v in d.loss_fn_inputs.items()}
+        data.append({"tokens": input_tokens(d.model_input), "inputs": inputs})
     return {"loss_fn": inp.loss_fn, "loss_fn_config": inp.loss_fn_config or {}, "data": data,
             "forward_only": forward_only}
 
