@@ -3,17 +3,22 @@
 `admit(store, tenant, spec, limits)` is the whole path, in this order: make room in the store (`make_room`),
 parse and validate the spec, check it against the tenant's quotas, check the base model and LoRA
 rank against the deployment, build and split the rows (a built-in task's or the tenant's dataset),
+check the rows' sizes against the plan (before any rendering or tokenising, and again as stored),
 render prompts with the base's chat template, check every prompt fits the base's context, then
-store the job. Every refusal is one
+store the job. Each submit renders and tokenises on its own copy of the base's tokenizer
+(`_own_tokenizer`): no lock is shared by every submit, so one tenant's large dataset costs only
+its own request. Every refusal is one
 `MarlaasError` line and stores nothing. Settings are not read here: the caller's process edge passes
 its `access.Limits` down; the largest LoRA rank is `access.max_lora_rank`'s, as for the Tinker door.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import time
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -24,7 +29,9 @@ from marlaas.spec import JobSpec, parse_spec
 from marlaas.store import Store
 from marlaas.verify.boundary import check_submit as check_verifiers
 
-_TOKENIZER = threading.Lock()  # the API serves requests on a thread pool
+_SPARE_LOCK = threading.Lock()  # guards the lists of spare tokenizers only (a pop or an append), never a call
+_SPARE: dict[str, list] = {}
+MAX_SPARE = 8  # spare tokenizer copies kept per base; more concurrent submits make (and drop) their own
 PRESSURE_ROUNDS, PRESSURE_BATCH = 10, 20  # at most 200 ended jobs collected for one submit
 
 
@@ -57,10 +64,11 @@ def admit(store: Store, tenant: str | None, spec: JobSpec | dict, limits: access
     if spec.preflight:  # a preflight samples its first N (shuffled) training prompts, no more
         train = train[:spec.preflight_prompts]
         spec = spec.model_copy(update={"preflight_prompts": len(train)})
-    with _TOKENIZER:  # one base tokenizer per process; HF tokenizers refuse concurrent use ("Already borrowed")
-        train, held, how = _chat_template(dep.get("base"), spec, train, held)
-        _check_context(dep.get("base"), spec, train, held)
-    tenancy.check_rows(store, tenant, train, held)
+    tenancy.check_rows(store, tenant, train, held)  # the size quota before any rendering or tokenising
+    with _own_tokenizer(dep.get("base")) as tok:  # this submit's own copy: no lock shared by every submit
+        train, held, how = _chat_template(dep.get("base"), spec, train, held, tok)
+        _check_context(tok, dep.get("base"), spec, train, held)
+    tenancy.check_rows(store, tenant, train, held)  # as stored: prompts rendered
     return store.create_job(spec, train, held, info={"chat_template": how})
 
 
@@ -73,16 +81,36 @@ def _base_tokenizer(base: str):
 
 
 @lru_cache(maxsize=4)
-def _base_limits(base: str):
-    """(tokenizer, context length) of a base directory this machine can read, else None."""
-    tok = _base_tokenizer(base)
-    if tok is None:
+def _context_of(base: str) -> int | None:
+    """The context length of a base directory this machine can read, else None."""
+    if not (Path(base) / "config.json").is_file():
         return None
     n = json.loads((Path(base) / "config.json").read_text()).get("max_position_embeddings")
-    return (tok, int(n)) if n else None
+    return int(n) if n else None
 
 
-def _chat_template(base: str | None, spec: JobSpec, train: list[dict], held: list[dict]):
+@contextmanager
+def _own_tokenizer(base: str | None):
+    """A copy of the base's tokenizer that only this submit uses while it is held (None when the base
+    is not readable here). HF fast tokenizers refuse concurrent use ("Already borrowed"), so each
+    submit tokenises on its own copy instead of queueing behind every other tenant's behind one lock."""
+    shared = _base_tokenizer(base) if base else None
+    if shared is None:
+        yield None
+        return
+    with _SPARE_LOCK:
+        spare = _SPARE.setdefault(base, [])
+        tok = spare.pop() if spare else None
+    tok = tok if tok is not None else copy.deepcopy(shared)
+    try:
+        yield tok
+    finally:
+        with _SPARE_LOCK:
+            if len(_SPARE[base]) < MAX_SPARE:
+                _SPARE[base].append(tok)
+
+
+def _chat_template(base: str | None, spec: JobSpec, train: list[dict], held: list[dict], tok=None):
     """(train, held, how): the rows with prompts rendered by the base's chat template when the base
     has one and the job does not opt out (`datasets_io.render_chat`), so generation, training and
     evaluation all see the same text. `how`, recorded in the job as "chat_template": "applied",
@@ -92,7 +120,7 @@ def _chat_template(base: str | None, spec: JobSpec, train: list[dict], held: lis
 
     if spec.chat_template is False:
         return train, held, "off"
-    tok = _base_tokenizer(base) if base else None
+    tok = tok if tok is not None else _base_tokenizer(base) if base else None
     if tok is None or not has_chat_template(tok):
         if spec.chat_template:
             why = "is not readable on this machine" if tok is None else "has no chat template"
@@ -101,12 +129,11 @@ def _chat_template(base: str | None, spec: JobSpec, train: list[dict], held: lis
     return render_chat(train, tok, "dataset"), render_chat(held, tok, "eval_dataset"), "applied"
 
 
-def _check_context(base: str | None, spec: JobSpec, train: list[dict], held: list[dict]) -> None:
+def _check_context(tok, base: str | None, spec: JobSpec, train: list[dict], held: list[dict]) -> None:
     """Refuse prompts that cannot fit the base's context with max_new_tokens (when the base is local)."""
-    limits = _base_limits(base) if base else None
-    if limits is None:
+    ctx = _context_of(base) if base and tok is not None else None
+    if ctx is None:
         return
-    tok, ctx = limits
     for split, rows in (("dataset", train), ("eval_dataset", held)):
         for row in rows:
             n = len(tok(row["prompt"])["input_ids"])

@@ -12,6 +12,11 @@ Sources (`JobSpec.dataset` / `eval_dataset`):
   "train" for training data and the first of "test", "validation" for held-out data). Errors
   name the row as for parquet, with the split: `dataset mydir[test] row 3: ...`.
 
+Uploads (`check_upload`, before a file is kept): read as a stream in a child process limited in
+memory and time; a parquet file is first measured by its footer (rows, uncompressed column sizes)
+and refused past the plan's `max_dataset_bytes` before any data is decoded, then every record's
+JSON size is summed and the file refused (413) as soon as it passes that bound.
+
 Files are named as their user knows them: an uploaded file keeps the name it was uploaded under in
 a sidecar (`<file id>.name`, `remember_name`), and every message names that, never the server's
 file id or path. `load(..., label=True)` keeps each row's label (`grader_fields.ROW_REF`, e.g.
@@ -34,10 +39,12 @@ Every problem raises one `SpecError` line that names the source and the line or 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from marlaas.errors import SpecError
+from marlaas.errors import SpecError, TooLarge
 from marlaas.spec import DATA_SUFFIXES as SUFFIXES
 from marlaas.spec import format_error
 from marlaas.verify.grader_fields import ROW_REF
@@ -46,6 +53,10 @@ TRAIN_SPLITS = ("train",)
 EVAL_SPLITS = ("test", "validation")
 RESERVED = ("prompt", "answer", "tests", "raw_prompt", ROW_REF)
 NAME_SUFFIX = ".name"
+UPLOAD_MEMORY_MB = 1536
+"""Address space of the child that reads an upload (pyarrow and one batch of rows)."""
+UPLOAD_WALL_S = 120.0
+"""Wall-clock seconds that child may take (a 256 MiB JSONL file reads in well under a minute)."""
 
 
 @dataclass(frozen=True)
@@ -123,20 +134,28 @@ def pick_split(splits: list[str], split: str | None, default_splits: tuple[str, 
 
 
 def _read_jsonl(path: Path, what: str) -> list[tuple[str, object]]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise SpecError(f"{what} {display_name(path)}: not UTF-8 ({e.reason} at byte {e.start})") from None
-    out = []
-    for i, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{what} {display_name(path)} line {i}"
-        try:
-            out.append((where, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise SpecError(f"{where}: not valid JSON ({e.msg})") from None
-    return out
+    return list(_iter_jsonl(path, what))
+
+
+def _iter_jsonl(path: Path, what: str) -> Iterator[tuple[str, object]]:
+    """(where, record) of each non-blank line, read one line at a time."""
+    name, offset = display_name(path), 0
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise SpecError(f"{what} {name}: not UTF-8 ({e.reason} at byte {offset + e.start})") from None
+            offset += len(raw)
+            if not line.strip():
+                continue
+            where = f"{what} {name} line {i}"
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SpecError(f"{where}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise SpecError(f"{where}: not valid JSON (nested too deeply)") from None
 
 
 def _first_line(e: Exception) -> str:
@@ -144,14 +163,83 @@ def _first_line(e: Exception) -> str:
 
 
 def _read_parquet(path: Path, what: str) -> list[tuple[str, object]]:
+    return list(_iter_parquet(path, what))
+
+
+def _iter_parquet(path: Path, what: str, batch: int = 64) -> Iterator[tuple[str, object]]:
+    """(where, record) of each row, decoded `batch` rows at a time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    name, i = display_name(path), 0
+    try:
+        for b in pq.ParquetFile(path).iter_batches(batch_size=batch):
+            for rec in b.to_pylist():
+                i += 1
+                yield f"{what} {name} row {i}", rec
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise SpecError(f"{what} {name}: not a readable parquet file ({_first_line(e)})") from None
+
+
+def parquet_size(path: str | Path) -> tuple[int, int]:
+    """(rows, uncompressed bytes of every column chunk) from a parquet file's footer, decoding no data."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        recs = pq.read_table(path).to_pylist()
+        md = pq.ParquetFile(path).metadata
     except (pa.ArrowException, OSError, ValueError) as e:
-        raise SpecError(f"{what} {display_name(path)}: not a readable parquet file ({_first_line(e)})") from None
-    return [(f"{what} {display_name(path)} row {i}", r) for i, r in enumerate(recs, start=1)]
+        raise SpecError(f"file {display_name(path)}: not a readable parquet file ({_first_line(e)})") from None
+    return md.num_rows, sum(md.row_group(g).column(c).total_uncompressed_size
+                            for g in range(md.num_row_groups) for c in range(md.num_columns))
+
+
+def measure(path: str | Path, kind: str, max_bytes: int) -> dict:
+    """{"rows", "bytes"} of an uploaded file read as a stream (bytes: its rows as JSON); TooLarge past
+    `max_bytes` (a parquet file first by its footer's uncompressed sizes), SpecError for a record
+    that is no object or a file that does not parse."""
+    path = Path(path)
+    if kind == "parquet":
+        rows, raw = parquet_size(path)
+        if raw > max_bytes:
+            raise TooLarge(f"over quota: the parquet file {display_name(path)} holds {raw} bytes uncompressed "
+                           f"({rows} rows), more than the plan's max_dataset_bytes {max_bytes}")
+    records = _iter_parquet(path, "file") if kind == "parquet" else _iter_jsonl(path, "file")
+    rows = total = 0
+    for where, rec in records:
+        if not isinstance(rec, dict):
+            raise SpecError(f"{where}: expected an object (one row), got {type(rec).__name__}")
+        rows += 1
+        total += len(json.dumps(rec, default=str))
+        if total > max_bytes:
+            raise TooLarge(f"over quota: the rows of {display_name(path)} hold more than {max_bytes} bytes as JSON "
+                           f"by {where.removeprefix('file ')} (plan: max_dataset_bytes)")
+    if rows == 0:
+        raise SpecError(f"file {display_name(path)} has no rows")
+    return {"rows": rows, "bytes": total}
+
+
+def check_upload(path: str | Path, kind: str, max_bytes: int, memory_mb: int = UPLOAD_MEMORY_MB,
+                 wall_s: float = UPLOAD_WALL_S) -> dict:
+    """`measure` in a child process limited to `memory_mb` of address space and `wall_s` seconds, so a
+    file that decodes to far more than its size (a parquet "bomb") never grows the caller."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ARROW_DEFAULT_MEMORY_POOL": "system", "OMP_NUM_THREADS": "1"}  # no arena reservations
+    request = json.dumps({"path": str(path), "kind": kind, "max_bytes": max_bytes, "memory_mb": memory_mb})
+    try:
+        proc = subprocess.run([sys.executable, "-m", "marlaas.api._file_check"], input=request, capture_output=True,
+                              text=True, timeout=wall_s, env=env, cwd=str(Path(__file__).resolve().parents[2]))
+    except subprocess.TimeoutExpired:
+        raise TooLarge(f"file {display_name(path)} takes more than {wall_s:.0f} s to read") from None
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise TooLarge(f"file {display_name(path)} could not be read within {memory_mb} MB ({_first_line(tail)})")
+    out = json.loads(proc.stdout)
+    if "error" in out:
+        raise (TooLarge if out["too_large"] else SpecError)(out["error"])
+    return out
 
 
 def _read_hf_dir(path: Path, what: str, split: str | None,

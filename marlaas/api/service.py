@@ -39,7 +39,7 @@ from pathlib import Path
 
 from marlaas.api import access, admission, tenancy
 from marlaas.api.access import Limits, Principal
-from marlaas.api.datasets_io import NAME_SUFFIX, SUFFIXES, read_records, remember_name
+from marlaas.api.datasets_io import NAME_SUFFIX, SUFFIXES, check_upload, remember_name
 from marlaas.errors import (
     Conflict,
     Forbidden,
@@ -256,8 +256,11 @@ class Service:
         (counted in the tenant's stored bytes), recorded in the store, with a copy in this host's
         $MARLAAS_HOME/files/<tenant>/ (another API host fetches its own copy on first use). The size is
         checked while streaming (TooLarge past `limit`, nothing kept); the file must parse as rows
-        (objects); field names are checked when a job uses it."""
-        tenancy.check_storage(self.store, None if tenant == "default" else tenant)
+        (objects) whose JSON fits the plan's `max_dataset_bytes` (TooLarge otherwise), read in a
+        memory-limited child process (`datasets_io.check_upload`); field names are checked when a
+        job uses it."""
+        owner = None if tenant == "default" else tenant
+        tenancy.check_storage(self.store, owner)
         d = self.files_dir / tenant
         d.mkdir(parents=True, exist_ok=True)
         fid = "file-" + secrets.token_hex(12)
@@ -280,11 +283,9 @@ class Service:
             remember_name(path, filename)  # errors name the file as its user knows it
         finally:
             part.unlink(missing_ok=True)
-        try:
-            for where, rec in read_records(str(path), "file"):
-                if not isinstance(rec, dict):
-                    raise SpecError(f"{where}: expected an object (one row), got {type(rec).__name__}")
-        except SpecError:
+        try:  # in a memory-limited child, parquet measured by its footer first (datasets_io.check_upload)
+            check_upload(path, kind, tenancy.plan_of(self.store, owner).max_dataset_bytes)
+        except (SpecError, TooLarge):
             path.unlink(missing_ok=True)
             path.with_suffix(NAME_SUFFIX).unlink(missing_ok=True)
             raise
