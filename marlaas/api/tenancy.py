@@ -56,6 +56,16 @@ class Quotas(BaseModel):
     max_concurrent_dry_runs: int = Field(2, ge=1, le=64)
     """Grader dry runs (`POST /v1/graders/run`) of the tenant running at once in one API process; past
     it, 429. Each runs in a child process limited in memory and time (`marlaas.api.dryruns`)."""
+    tinker_max_data_per_op: int = Field(256, ge=1)
+    """Largest number of datums in one Tinker forward / forward_backward (422 past it)."""
+    tinker_max_tokens_per_op: int = Field(131_072, ge=1)
+    """Largest total tokens over the datums of one Tinker forward / forward_backward (422 past it).
+    Each datum is also bounded by the base's context length."""
+    tinker_max_queued_ops: int = Field(32, ge=1)
+    """Tinker training ops of the tenant queued or running at once, over all its models (429 past it)."""
+    tinker_max_pending_samples: int = Field(64, ge=1)
+    """Tinker sample requests of the tenant pending at once (429 past it); each asks at most 128
+    samples of at most context - prompt tokens."""
     storage_bytes: int = Field(20 << 30, ge=0)
     """Bytes the tenant keeps in the artifact store (adapter versions, optimizer states, Tinker
     checkpoints, uploads): at or past it, new jobs, uploads and Tinker checkpoints are refused (413)

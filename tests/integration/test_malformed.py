@@ -225,3 +225,44 @@ def test_malformed_request_is_a_clear_4xx(door, case):
 def test_the_corpus_is_large_and_covers_every_door():
     doors = {c[2].split("?")[0].split("/")[2] if c[2].startswith("/v1") else "tinker" for c in CORPUS}
     assert len(CORPUS) >= 40 and {"jobs", "files", "graders", "verifiers", "tenants", "tinker"} <= doors
+
+
+# ---------------------------------------------------------------- Tinker cost bounds at the door
+def test_tinker_cost_bounds_are_refused_up_front(door, st):
+    from marlaas.api.tenancy import Quotas
+
+    url, _, _, _ = door
+    token = add_tenant(st, "bob", Quotas(tinker_max_data_per_op=2, tinker_max_tokens_per_op=20,
+                                         tinker_max_queued_ops=2, tinker_max_pending_samples=1))
+    ts = TinkerStore(st)
+    mid = ts.create_model("bob", ts.create_session("bob"), "base", {"rank": 4}, None)
+    c = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+    def fb(*lengths: int) -> httpx.Response:
+        data = [{"model_input": {"chunks": [{"tokens": [1] * n}]}, "loss_fn_inputs": {}} for n in lengths]
+        return c.post("/api/v1/forward_backward", json={"model_id": mid, "forward_backward_input": {"data": data}})
+
+    def sample(max_tokens: int, prompt: int = 10) -> httpx.Response:
+        return c.post("/api/v1/asample", json={"prompt": {"chunks": [{"tokens": [1] * prompt}]},
+                                                "sampling_params": {"max_tokens": max_tokens}})
+
+    def optim() -> httpx.Response:
+        return c.post("/api/v1/optim_step", json={"model_id": mid, "adam_params": {"learning_rate": 0.1}})
+
+    assert "context of 64" in fb(65).json()["error"]["message"]  # tokens per datum <= the base's context
+    assert "tinker_max_data_per_op" in fb(1, 1, 1).json()["error"]["message"]
+    assert "tinker_max_tokens_per_op" in fb(15, 15).json()["error"]["message"]
+    r = sample(60)
+    assert r.status_code == 422 and "at most 54" in r.json()["error"]["message"]  # max_tokens <= ctx - prompt
+    assert ts.open_count("bob", "op") == 0 and ts.open_count("bob", "sample") == 0  # nothing was queued
+    assert fb(10, 10).status_code == 200 and optim().status_code == 200
+    r = optim()
+    assert r.status_code == 429 and "tinker_max_queued_ops" in r.json()["error"]["message"], r.text
+    assert int(r.headers["Retry-After"]) >= 1
+    assert sample(8).status_code == 200
+    r = sample(8)
+    assert r.status_code == 429 and "tinker_max_pending_samples" in r.json()["error"]["message"], r.text
+    rid = ts.take_samples(10)[0]
+    ts.fail(rid, "done here")  # once a sample ends, the tenant may ask again
+    assert sample(8).status_code == 200
+    c.close()

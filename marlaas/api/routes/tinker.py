@@ -30,7 +30,7 @@ from marlaas.api.access import Principal
 from marlaas.api.deps import Caller, service
 from marlaas.api.service import Service
 from marlaas.api.tinker import checkpoints, futures, models, wire
-from marlaas.errors import Gone, NotFound, SpecError
+from marlaas.errors import Gone, NotFound, RateLimited, SpecError
 from marlaas.spec import LoraSpec
 from marlaas.store.tinker import TinkerStore, parse_path
 
@@ -78,9 +78,39 @@ def check_base(svc: Service, name: str | None) -> str:
     return bname
 
 
-def queue(ts: TinkerStore, t: str, mid: str, seq: int | None, kind: str, payload: dict) -> dict:
-    """Queue an op of model `mid` (NotFound unless the tenant owns it, Gone once its session ended)."""
+def check_data(svc: Service, t: str, payload: dict) -> None:
+    """The plan's bounds on one forward / forward_backward, before it is queued: datums per op, tokens
+    per op, and tokens per datum <= the base's context (SpecError, 422)."""
+    plan, (_, _, ctx) = tenancy.plan_of(svc.store, t), base_info(svc)
+    lengths = [len(d["tokens"]) for d in payload["data"]]
+    if ctx and lengths and max(lengths) > ctx:
+        raise SpecError(f"invalid request: a datum of {max(lengths)} tokens is longer than the base's "
+                        f"context of {ctx} tokens")
+    if len(lengths) > plan.tinker_max_data_per_op:
+        raise SpecError(f"invalid request: {len(lengths)} datums in one op, over this plan's "
+                        f"{plan.tinker_max_data_per_op} (tinker_max_data_per_op): split the batch")
+    if sum(lengths) > plan.tinker_max_tokens_per_op:
+        raise SpecError(f"invalid request: {sum(lengths)} tokens in one op, over this plan's "
+                        f"{plan.tinker_max_tokens_per_op} (tinker_max_tokens_per_op): split the batch")
+
+
+def check_open(svc: Service, ts: TinkerStore, t: str, kind: str) -> None:
+    """RateLimited (429: waiting helps) when the tenant already has its plan's queued ops or pending samples."""
+    plan = tenancy.plan_of(svc.store, t)
+    bound, what = ((plan.tinker_max_pending_samples, "pending samples (tinker_max_pending_samples)")
+                   if kind == "sample" else (plan.tinker_max_queued_ops, "queued ops (tinker_max_queued_ops)"))
+    if ts.open_count(t, kind) >= bound:
+        raise RateLimited(f"too many requests: this tenant has {bound} {what} already; retry once some "
+                          "have finished", 2.0)
+
+
+def queue(ts: TinkerStore, t: str, mid: str, seq: int | None, kind: str, payload: dict,
+          svc: Service | None = None) -> dict:
+    """Queue an op of model `mid` (NotFound unless the tenant owns it, Gone once its session ended;
+    429 past the plan's queued ops)."""
     ts.model(t, mid)
+    if svc is not None:
+        check_open(svc, ts, t, kind)
     rid = ts.enqueue_op(t, mid, kind, int(seq or 0), payload)
     return {"request_id": rid, "model_id": mid}
 
@@ -182,23 +212,26 @@ def training_run(mid: str, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
 
 # ---------------------------------------------------------------- training ops (queued)
 @router.post("/forward_backward")
-async def forward_backward(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+async def forward_backward(request: Request, t: str = Tenant, svc: Service = Svc, ts: TinkerStore = Tk) -> dict:
     head, payload = wire.fwdbwd_request(await request.body(), request.headers.get("content-type", ""),
                                         request.headers.get("content-encoding", "identity"))
+    check_data(svc, t, payload)
     return queue(ts, t, head["model_id"], head["seq_id"], "forward" if payload["forward_only"] else
-                 "forward_backward", payload)
+                 "forward_backward", payload, svc)
 
 
 @router.post("/forward")
-async def forward(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+async def forward(request: Request, t: str = Tenant, svc: Service = Svc, ts: TinkerStore = Tk) -> dict:
     req = await wire.body(request, models.ForwardRequest)
-    return queue(ts, t, req.model_id, req.seq_id, "forward", wire.json_fwdbwd(req.forward_input, forward_only=True))
+    payload = wire.json_fwdbwd(req.forward_input, forward_only=True)
+    check_data(svc, t, payload)
+    return queue(ts, t, req.model_id, req.seq_id, "forward", payload, svc)
 
 
 @router.post("/optim_step")
-async def optim_step(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
+async def optim_step(request: Request, t: str = Tenant, svc: Service = Svc, ts: TinkerStore = Tk) -> dict:
     req = await wire.body(request, models.OptimStepRequest)
-    return queue(ts, t, req.model_id, req.seq_id, "optim_step", {"adam": req.optim_params.model_dump()})
+    return queue(ts, t, req.model_id, req.seq_id, "optim_step", {"adam": req.optim_params.model_dump()}, svc)
 
 
 @router.post("/save_weights")
@@ -286,6 +319,12 @@ async def asample(request: Request, t: str = Tenant, svc: Service = Svc, ts: Tin
             raise SpecError(f"invalid request: prompt_logprobs_last_n needs prompt_logprobs and must be in "
                             f"1..{len(payload['tokens']) - 1} (the prompt's length - 1), got {last_n}")
         payload["prompt_logprobs_last_n"] = last_n
+    if (ctx := base_info(svc)[2]) is not None:  # max_tokens <= context - prompt, refused before any work
+        room, want = ctx - len(payload["tokens"]), req.sampling_params.max_tokens
+        if room < 1 or (want is not None and want > room):
+            raise SpecError(f"invalid request: max_tokens {want} with a prompt of {len(payload['tokens'])} "
+                            f"tokens does not fit the base's context of {ctx} tokens (at most {max(room, 0)})")
+    check_open(svc, ts, t, "sample")
     rid = ts.enqueue_sample(t, payload)
     return {"request_id": rid, "model_id": None, "sample_sequence_ids": [f"{rid}-{i}" for i in range(payload["n"])]}
 
