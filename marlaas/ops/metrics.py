@@ -232,10 +232,11 @@ def make_server(host: str = "127.0.0.1", port: int = 9109, url: str | None = Non
                 window_s: float = WINDOW_S, token: str | None = None) -> ThreadingHTTPServer:
     """A bound (not yet serving) metrics server; port 0 picks a free port (see `server_address`).
 
-    The metrics name every tenant's jobs: they are for the operator only. On loopback they are open
-    to the host; with `token` (MARLAAS_METRICS_TOKEN) `/metrics` needs `Authorization: Bearer <token>`,
-    and a non-loopback bind without a token is refused. Tenants read their own jobs' metrics through
-    the API."""
+    The metrics name every tenant's jobs: they are for the operator only. With `token`
+    (MARLAAS_METRICS_TOKEN) `/metrics` needs `Authorization: Bearer <token>` from every peer, loopback
+    included; a non-loopback bind without a token is refused. The embedded default (no token
+    configured) serves loopback peers without one: every user of the host can read it, so a shared
+    host sets the token (docs/metrics.md). Tenants read their own jobs' metrics through the API."""
     if token is None and host not in ("127.0.0.1", "localhost", "::1"):
         raise MarlaasError(f"refusing to serve every tenant's metrics on {host} without a token: "
                            "set MARLAAS_METRICS_TOKEN (Prometheus sends it as a bearer token)")
