@@ -54,7 +54,7 @@ _MOUNT_FLAGS = {
     "strictatime": MS_STRICTATIME,
 }
 
-PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 22, 38
+PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 22, 38, 36
 SECCOMP_MODE_FILTER = 2
 _ERROR_MAX = 300
 _PRELOAD = (
@@ -393,7 +393,7 @@ def _cleanup_after(child_pid: int, uid, ctx) -> None:
         os.killpg(child_pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    if ctx["pidns"] and os.getpid() == 1:
+    if ctx["pidns"] and os.getpid() == 1 and not ctx.get("lane"):
         try:
             os.kill(-1, signal.SIGKILL)  # pid 1 of our own namespace: everything else in it, never outside
         except ProcessLookupError:
@@ -499,6 +499,60 @@ def _run_one(i, programs, base, lim, uid, ctx) -> dict:
     return _result("error", stdout, f"exited with code {code} before the end of the program")
 
 
+def _run_lanes(programs, base, lim, first_uid, ctx) -> list:
+    """Run up to `parallel` programs at once, each in its own lane: a forked process that runs one
+    program as `_run_one` does (its limits, wall clock and cleanup) and is the subreaper of what the
+    program leaves behind, then sends its result on a pipe. The lanes' results come back in order."""
+    parallel = max(1, int(lim["parallel"]))
+    results: list = [None] * len(programs)
+    lanes: dict[int, tuple[int, int]] = {}  # lane pid -> (program index, read end of its pipe)
+    todo = list(range(len(programs)))
+    bufs: dict[int, bytes] = {}
+    while todo or lanes:
+        while todo and len(lanes) < parallel:
+            i = todo.pop(0)
+            r, w = os.pipe()
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                try:
+                    os.close(r)
+                    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+                    _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # the program's orphans come to this lane
+                    uid = None if first_uid is None else first_uid + i
+                    ctx["lane"] = True
+                    res = _run_one(i, programs, base, lim, uid, ctx)
+                    msg = json.dumps({"result": res, "seccomp_seen": ctx["seccomp_seen"]}).encode()
+                    with os.fdopen(w, "wb") as f:
+                        f.write(msg)  # init reads as it comes
+                except BaseException:  # noqa: BLE001 - the lane's failure is the program's error
+                    code = 70
+                os._exit(code)
+            os.close(w)
+            lanes[pid] = (i, r)
+        # Read every lane's pipe as it writes (a result may exceed the pipe's buffer), then reap it.
+        by_fd = {r: pid for pid, (_, r) in lanes.items()}
+        ready, _, _ = select.select(list(by_fd), [], [])
+        r = ready[0]
+        chunk = os.read(r, 65536)
+        if chunk:
+            bufs[r] = bufs.get(r, b"") + chunk
+            continue
+        pid = by_fd[r]
+        i, _ = lanes.pop(pid)
+        os.close(r)
+        data = bufs.pop(r, b"")
+        _, status = os.waitpid(pid, 0)
+        try:
+            msg = json.loads(data)
+            results[i] = msg["result"]
+            ctx["seccomp_seen"].extend(msg["seccomp_seen"])
+        except (ValueError, KeyError, TypeError):
+            results[i] = _result("error", "", f"the sandbox lane of this program failed (status {status})")
+    return results
+
+
 def _result(status, stdout, error) -> dict:
     return {"ok": status == "ok", "status": status, "stdout": stdout, "error": error}
 
@@ -538,10 +592,13 @@ def _serve(programs, lim, flags, iso) -> None:
         "lib_paths": lib_paths,
         "strict": bool(lim.get("strict", True)),
     }
-    results = []
-    for i in range(len(programs)):
-        uid = None if first_uid is None else first_uid + i
-        results.append(_run_one(i, programs, base, lim, uid, ctx))
+    if int(lim.get("parallel", 1)) > 1 and len(programs) > 1:
+        results = _run_lanes(programs, base, lim, first_uid, ctx)
+    else:
+        results = []
+        for i in range(len(programs)):
+            uid = None if first_uid is None else first_uid + i
+            results.append(_run_one(i, programs, base, lim, uid, ctx))
     seen = ctx["seccomp_seen"]
     iso["seccomp"] = bool(seen) and all(seen)
     iso["network"] = (

@@ -34,11 +34,16 @@ What the sandbox contains (each layer is best effort; `probe()` says which appli
 
 What it does NOT contain (honest list, also in the report to the lead):
 
-- Not a security boundary against kernel exploits, nor a VM: same kernel, no chroot, no cgroup.
+- Not a security boundary against kernel exploits, nor a VM: same kernel, no chroot.
 - File reads as described above; with the mount namespace refused, writes wherever the worker's user
   (or, when root, an unprivileged uid) may write, capped per file by RLIMIT_FSIZE only.
-- Memory is capped per process (RLIMIT_AS), not per batch: a program may fork up to `processes`
-  children of `memory_mb` each. CPU is capped per process, time per program by the wall clock.
+- Memory per batch: where the host allows a cgroup v2 (`marlaas.verify.cgroups`), the batch runs in
+  its own group with `memory.max`, `pids.max` and `cpu.max` (Limits.batch_*). Elsewhere each program
+  may fork one child at most (RLIMIT_NPROC `fallback_processes`, when root: a uid per program), so a
+  batch holds at most parallel x fallback_processes x memory_mb; and at most MARLAAS_SANDBOX_BATCHES
+  batches run at once per host (a file lock per slot). CPU is capped per process, time per program
+  by the wall clock, the batch by ONE deadline (its programs run `parallel` at once; `bounded()`
+  narrows it to the caller's grading budget and stops a cancelled job's batch).
 - Without a pid namespace and not root: a program may signal processes of the worker's user
   (including the worker) and processes it started with a new session can outlive it.
 - A program can forge a pass only by deliberately introspecting the harness (its frames hold the
@@ -49,6 +54,7 @@ What it does NOT contain (honest list, also in the report to the lead):
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -57,11 +63,16 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
 from marlaas.errors import MarlaasError, SandboxError  # noqa: F401  (SandboxError re-exported)
+from marlaas.verify import cgroups
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +108,18 @@ class Limits:
     uid_span: int = 9000
     """Range of that random offset (kept under 65536 for containers that map only 64 K ids)."""
     batch_overhead_s: float = 10.0
-    """Extra seconds the caller allows a batch beyond the sum of per-program wall limits."""
+    """Extra seconds the caller allows a batch beyond its programs' wall limits (run `parallel` at once)."""
+    parallel: int = 4
+    """Programs of one batch run at once (a group's calls in parallel under ONE batch deadline)."""
+    batch_memory_mb: int = 2048
+    """Memory of the whole batch (cgroup v2 `memory.max`, swap 0): every program and child together."""
+    batch_pids: int = 64
+    """Processes of the whole batch (cgroup v2 `pids.max`)."""
+    batch_cpus: float = 2.0
+    """CPUs of the whole batch (cgroup v2 `cpu.max`)."""
+    fallback_processes: int = 2
+    """Without a cgroup: RLIMIT_NPROC of each program (itself and one child), so a batch's memory
+    stays within parallel x fallback_processes x memory_mb."""
 
 
 @dataclass(frozen=True)
@@ -149,8 +171,23 @@ def _policy() -> dict:
 
 
 def _run(programs: list[str], limits: Limits) -> dict:
+    rounds = -(-len(programs) // max(1, limits.parallel))
+    budget = rounds * (limits.wall_s + 0.5) + limits.batch_overhead_s
+    deadline, cancelled = _BOUNDS.get()
+    if deadline is not None:
+        budget = min(budget, deadline - time.monotonic())
+        if budget <= 0:
+            raise SandboxError("the grading time budget is spent (the plan's grader seconds): not run")
+    with host_slot(_host_batches(), budget), cgroups.batch_group(limits) as group:
+        if group is None:  # no cgroup: each program may fork one child at most
+            limits = replace(limits, processes=min(limits.processes, limits.fallback_processes))
+        reply = _start(programs, limits, budget, group, cancelled)
+    reply.setdefault("isolation", {})["cgroup"] = cgroups.describe(group, limits)
+    return reply
+
+
+def _start(programs: list[str], limits: Limits, budget: float, group, cancelled) -> dict:
     payload = json.dumps({"programs": programs, "limits": {**asdict(limits), **_policy()}}).encode()
-    budget = len(programs) * (limits.wall_s + 0.5) + limits.batch_overhead_s
     workdir = tempfile.mkdtemp(prefix="marlaas-sandbox-")
     try:
         proc = subprocess.Popen(
@@ -163,12 +200,9 @@ def _run(programs: list[str], limits: Limits) -> dict:
             close_fds=True,
             start_new_session=True,  # one process group to kill on overrun
         )
-        try:
-            out, err = proc.communicate(payload, timeout=budget)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise SandboxError(f"sandbox batch of {len(programs)} programs exceeded {budget:.0f} s") from None
+        if group is not None:  # before it reads its input, so before it forks anything
+            cgroups.enter(group, proc.pid)
+        out, err = _communicate(proc, payload, budget, cancelled, len(programs))
     except OSError as e:
         raise SandboxError(f"cannot start the sandbox: {e}") from e
     finally:
@@ -183,6 +217,75 @@ def _run(programs: list[str], limits: Limits) -> dict:
         return json.loads(out)
     except ValueError as e:
         raise SandboxError(f"sandbox runner returned invalid JSON: {e}") from e
+
+
+def _communicate(proc, payload: bytes, budget: float, cancelled, n: int) -> tuple[bytes, bytes]:
+    """The runner's output; its process group killed (SandboxError) past `budget` seconds or as soon
+    as `cancelled()` says so (checked every CANCEL_CHECK_S)."""
+    end = time.monotonic() + budget
+    data: bytes | None = payload
+    while True:
+        left = end - time.monotonic()
+        try:
+            return proc.communicate(data, timeout=max(0.01, min(left, CANCEL_CHECK_S)))
+        except subprocess.TimeoutExpired:
+            data = None  # sent already: communicate() goes on where it stopped
+            why = None
+            if time.monotonic() >= end:
+                why = f"sandbox batch of {n} programs exceeded {budget:.0f} s"
+            elif cancelled is not None and cancelled():
+                why = "the job was cancelled: its sandbox batch was stopped"
+            if why is not None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+                raise SandboxError(why) from None
+
+
+CANCEL_CHECK_S = 1.0
+_BOUNDS: ContextVar[tuple[float | None, Callable[[], bool] | None]] = ContextVar("sandbox_bounds",
+                                                                                 default=(None, None))
+
+
+@contextmanager
+def bounded(deadline: float | None = None, cancelled: Callable[[], bool] | None = None) -> Iterator[None]:
+    """Every sandbox batch run inside the block ends by `deadline` (a `time.monotonic()` value: the
+    verify station's grading budget of a step or evaluation) and is stopped once `cancelled()` is
+    true (its job was cancelled); either ends the batch with a SandboxError (all its calls erred)."""
+    token = _BOUNDS.set((deadline, cancelled))
+    try:
+        yield
+    finally:
+        _BOUNDS.reset(token)
+
+
+def _host_batches() -> int:
+    """Sandbox batches at once on this host (MARLAAS_SANDBOX_BATCHES; default: the CPUs, at least 2)."""
+    return max(1, int(os.environ.get("MARLAAS_SANDBOX_BATCHES", "0") or 0) or max(2, os.cpu_count() or 2))
+
+
+@contextmanager
+def host_slot(slots: int, wait_s: float) -> Iterator[int]:
+    """Hold one of the host's `slots` sandbox batch slots (an flock on a file per slot, shared by
+    every process of the host) for the block; waits up to `wait_s`, then SandboxError."""
+    folder = Path(tempfile.gettempdir()) / "marlaas-sandbox-slots"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    end = time.monotonic() + wait_s
+    while True:
+        for i in range(slots):
+            fd = os.open(folder / f"{i}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            try:
+                yield i
+            finally:
+                os.close(fd)  # closing releases the lock
+            return
+        if time.monotonic() >= end:
+            raise SandboxError(f"all {slots} sandbox slots of this host stayed busy for {wait_s:.0f} s")
+        time.sleep(0.05)
 
 
 def run_batch(programs: list[str], limits: Limits | None = None) -> list[RunResult]:
