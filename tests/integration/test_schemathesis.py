@@ -57,7 +57,7 @@ def test_schemathesis_finds_no_server_error(scratch_url, st, tmp_path):
              "-H", f"Authorization: Bearer {token}", "--checks", CHECKS, "-n", str(MAX_EXAMPLES),
              "--phases", "examples,coverage,fuzzing", "--request-timeout", "20", "--report", "ndjson",
              "--report-ndjson-path", str(report), "--no-color"],
-            capture_output=True, text=True, timeout=360)
+            capture_output=True, text=True, timeout=360, cwd=tmp_path)  # its cache dir stays out of the repo
     finally:
         srv.stop()
     failures = _failures(report) if report.exists() else {}
