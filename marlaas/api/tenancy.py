@@ -19,6 +19,7 @@ from marlaas.errors import Forbidden, SpecError, StorageQuotaExceeded
 from marlaas.spec import JobSpec
 from marlaas.types import eval_versions
 from marlaas.verify.grader_fields import ref_of
+from marlaas.verify.job_scoring import GRADER_S_PER_EVAL, GRADER_S_PER_STEP
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -66,6 +67,11 @@ class Quotas(BaseModel):
     tinker_max_pending_samples: int = Field(64, ge=1)
     """Tinker sample requests of the tenant pending at once (429 past it); each asks at most 128
     samples of at most context - prompt tokens."""
+    max_grader_s_per_step: float = Field(GRADER_S_PER_STEP, gt=0)
+    """Sandbox seconds of the job's python graders per training step (its batches run under what is
+    left): past it the step's remaining calls score as errors, with a warning notice."""
+    max_grader_s_per_eval: float = Field(GRADER_S_PER_EVAL, gt=0)
+    """Sandbox seconds of the job's python graders per evaluation, the same way."""
     storage_bytes: int = Field(20 << 30, ge=0)
     """Bytes the tenant keeps in the artifact store (adapter versions, optimizer states, Tinker
     checkpoints, uploads): at or past it, new jobs, uploads and Tinker checkpoints are refused (413)

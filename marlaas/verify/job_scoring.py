@@ -37,13 +37,15 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Callable
 
 from marlaas.errors import VerifierError, one_line
-from marlaas.types import ItemKind
+from marlaas.types import ACTIVE_STATUSES, ItemKind
 from marlaas.verify.grader_fields import ref_of, strip_ref
 from marlaas.verify.graders import GraderLoadError, grade_groups
 from marlaas.verify.registry import resolve
+from marlaas.verify.sandbox import bounded
 from marlaas.verify.verifiers import BUILTIN, GroupScore, score_groups
 
 log = logging.getLogger("marlaas.verify")
@@ -74,30 +76,68 @@ def _policed(spec) -> bool:
     return name not in BUILTIN and ":" not in name
 
 
+GRADER_S_PER_STEP = 300.0
+"""The default plan's grader seconds per training step (Quotas.max_grader_s_per_step)."""
+GRADER_S_PER_EVAL = 300.0
+"""The default plan's grader seconds per evaluation (Quotas.max_grader_s_per_eval)."""
+
+
+def grader_budget(store, jid: str, spec, kind: str, key: int) -> tuple[str, float, float]:
+    """(counter field, seconds spent, the plan's bound) of the job's grading of one training step or
+    one evaluated version (`key`): the tenant's plan bounds the sandbox's wall time of each."""
+    tenant = store.job_fields(jid, "tenant")[0]
+    quotas = ((store.tenant(tenant) if tenant else None) or {}).get("quotas") or {}
+    if kind == ItemKind.EVALVER:
+        field, bound = f"grader_ms:eval:{key}", float(quotas.get("max_grader_s_per_eval", GRADER_S_PER_EVAL))
+    else:
+        field, bound = f"grader_ms:step:{key}", float(quotas.get("max_grader_s_per_step", GRADER_S_PER_STEP))
+    return field, int(store.job_fields(jid, field)[0] or 0) / 1000.0, bound
+
+
 def score_job(store, jid: str, spec, items: list[tuple[dict, list[str]]],
-              kind: str = ItemKind.VER, report: Callable[[list[GroupScore]], None] | None = None
-              ) -> list[GroupScore] | None:
+              kind: str = ItemKind.VER, report: Callable[[list[GroupScore]], None] | None = None,
+              key: int | None = None) -> list[GroupScore] | None:
     """Scores of the groups, in order; None when the job was just failed (its grader cannot load or
     kept failing). `kind`: VER (training groups: a grader failing on every completion is policed) or
     EVALVER (an evaluation). `report`: called with the scores before the failure policy runs (the
-    station's `report_train`), so the errors of the call that fails a job reach its tenant too."""
+    station's `report_train`), so the errors of the call that fails a job reach its tenant too.
+    `key`: the training step or evaluated version graded: its sandbox batches run under what is left
+    of the plan's grader seconds for it (`grader_budget`) and stop when the job is cancelled; past
+    the bound the tenant gets a warning notice and the calls score as errors (the policy above)."""
     items = [(strip_ref(row), comps) for row, comps in items]
+    bound = None
+    if key is not None:
+        field, spent, bound = grader_budget(store, jid, spec, kind, key)
+        if spent >= bound:
+            what = "version" if kind == ItemKind.EVALVER else "step"
+            store.add_notice(jid, "warning", {"message": tenant_line(
+                f"grading used the plan's {bound:g} grader seconds of {what} {key}: its remaining grader "
+                "calls score as errors")}, phase=f"grader_s:{kind}:{key}", limit=1)
+    start = time.monotonic()
+    deadline = None if bound is None else start + max(0.0, bound - spent)
     try:
-        if spec.grader is not None:
-            scores = grade_groups(spec.grader, items, store.registered_verifiers())
-        else:
-            name = spec.verifier_name()
-            if name not in BUILTIN and ":" not in name:  # a registered name
-                name = resolve(store, name)
-            scores = score_groups(name, items)
+        with bounded(deadline, lambda: store.job_fields(jid, "status")[0] not in ACTIVE_STATUSES):
+            scores = _grade(store, spec, items)
     except (GraderLoadError, VerifierError) as e:
         _fail(store, jid, f"grader cannot load: {e}")
         return None
+    finally:
+        if bound is not None:
+            store.incr_field(jid, field, int((time.monotonic() - start) * 1000))
     if report is not None:
         report(scores)
     if _policed(spec) and kind == ItemKind.VER and scores:
         return scores if _streak(store, jid, spec, items, scores, counted=report is not None) else None
     return scores
+
+
+def _grade(store, spec, items: list[tuple[dict, list[str]]]) -> list[GroupScore]:
+    if spec.grader is not None:
+        return grade_groups(spec.grader, items, store.registered_verifiers())
+    name = spec.verifier_name()
+    if name not in BUILTIN and ":" not in name:  # a registered name
+        name = resolve(store, name)
+    return score_groups(name, items)
 
 
 def _streak(store, jid: str, spec, items: list[tuple[dict, list[str]]], scores: list[GroupScore],

@@ -65,7 +65,8 @@ def run_verify(store: Store, jid: str, kind: str, idxs: list[int], tool_url: str
                 rolls = agentic.advance_groups(store, jid, rolls, tool_url)
         # the grader's errors are counted and shown to the tenant with its row, then the policy runs
         scores = score_job(store, jid, spec, [(r["row"], [c["text"] for c in r["completions"]]) for _, r in rolls],
-                           report=lambda sc: report_train(store, jid, rolls, sc))
+                           report=lambda sc: report_train(store, jid, rolls, sc),
+                           key=min((g for g, _ in rolls), default=0) // spec.prompts_per_step)
         if scores is None:  # the job's grader cannot load or kept failing: the job was failed
             return 0
         for (g, roll), res in zip(rolls, scores):
@@ -77,7 +78,7 @@ def run_verify(store: Store, jid: str, kind: str, idxs: list[int], tool_url: str
             continue
         # One scoring call per row: the greedy completion first, then its sampled ones (if any).
         scores = score_job(store, jid, spec, [(r["row"], [r["text"], *r.get("samples", [])]) for r in ev["rows"]],
-                           ItemKind.EVALVER)
+                           ItemKind.EVALVER, key=v)
         if scores is None:
             return accepted
         sampled = [s.rewards[1:] for s in scores] if all(r.get("samples") for r in ev["rows"]) else None

@@ -70,3 +70,27 @@ def test_racing_takes_never_exceed_a_share(st):
     capacity = pool.state(100.0).capacity
     assert capacity == 8
     assert sum(got) == 4, got
+
+
+SLEEPY = "def grade(sample, item):\n    import time\n    time.sleep(0.6)\n    return 1.0\n"
+
+
+def test_grader_seconds_past_the_plan_score_as_errors_with_a_notice(st):
+    from marlaas.api.tenancy import Quotas, add_tenant
+    from marlaas.spec import JobSpec
+    from marlaas.verify.job_scoring import score_job
+
+    add_tenant(st, "slow", Quotas(max_grader_s_per_step=1.0))
+    from tests.integration.test_python_grader import ROWS
+
+    spec = JobSpec(dataset=ROWS, grader={"type": "python", "source": SLEEPY, "timeout_s": 2}, tenant="slow",
+                   steps=2, prompts_per_step=1, group_size=2, eval_size=1, max_grader_error_groups=50)
+    jid = st.create_job(spec, ROWS, ROWS[:1])
+    items = [({"prompt": "p", "answer": "1"}, ["1", "2"])]
+    first = score_job(st, jid, spec, items, key=0)  # within the bound: scored
+    assert first is not None and first[0].errors == 0
+    second = score_job(st, jid, spec, items * 4, key=0)  # past it: stopped at the bound, errors
+    assert second is not None and all(s.errors == 2 for s in second)
+    third = score_job(st, jid, spec, items, key=0)
+    assert third is None or third[0].errors == 2  # not run at all now
+    assert any("grader seconds" in str(n["data"]) for n in st.notices(jid) if n["type"] == "warning")
