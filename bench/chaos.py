@@ -5,8 +5,8 @@
 Reports kills survived, lost steps (published versions missing) and duplicated steps (a version
 published twice) per job; references naming an object missing from the artifact store (before and
 after the sweep) and the orphans swept: objects a trainer killed between its write and its publish
-(or a publish that lost its compare-and-set) left behind. Needs a built tiny base (`marlaas base build --preset test --out DIR`,
-passed as --base; by default one is built under $MARLAAS_HOME/base-test).
+(or a publish that lost its compare-and-set) left behind. Needs a built tiny base (`marlaas base build
+--preset test --out DIR`, passed as --base; by default one is built under $MARLAAS_HOME/base-test).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from marlaas.store import Store
 from marlaas.verify.boundary import check_submit as check_verifiers
 
 _SPARE_LOCK = threading.Lock()  # guards the lists of spare tokenizers only (a pop or an append), never a call
+_LOAD_LOCK = threading.Lock()  # a base's tokenizer is loaded once (see _base_tokenizer)
 _SPARE: dict[str, list] = {}
 MAX_SPARE = 8  # spare tokenizer copies kept per base; more concurrent submits make (and drop) their own
 PRESSURE_ROUNDS, PRESSURE_BATCH = 10, 20  # at most 200 ended jobs collected for one submit
@@ -72,9 +73,16 @@ def admit(store: Store, tenant: str | None, spec: JobSpec | dict, limits: access
     return store.create_job(spec, train, held, info={"chat_template": how})
 
 
-@lru_cache(maxsize=4)
 def _base_tokenizer(base: str):
-    """The tokenizer of a base directory this machine can read, else None."""
+    """The tokenizer of a base directory this machine can read, else None. Loaded once, under a lock:
+    concurrent first submits would otherwise import transformers' lazy modules from several threads at
+    once, which fails ("cannot import name 'AutoTokenizer'"); later calls hit the cache at once."""
+    with _LOAD_LOCK:
+        return _load_base_tokenizer(base)
+
+
+@lru_cache(maxsize=4)
+def _load_base_tokenizer(base: str):
     from marlaas.base.tiny import load_tokenizer
 
     return load_tokenizer(base) if (Path(base) / "config.json").is_file() else None

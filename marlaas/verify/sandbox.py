@@ -42,8 +42,9 @@ What it does NOT contain (honest list, also in the report to the lead):
   may fork one child at most (RLIMIT_NPROC `fallback_processes`, when root: a uid per program), so a
   batch holds at most parallel x fallback_processes x memory_mb; and at most MARLAAS_SANDBOX_BATCHES
   batches run at once per host (a file lock per slot). CPU is capped per process, time per program
-  by the wall clock, the batch by ONE deadline (its programs run `parallel` at once; `bounded()`
-  narrows it to the caller's grading budget and stops a cancelled job's batch).
+  by the wall clock, the batch by ONE deadline, the sum of its programs' wall limits (its programs
+  run `parallel` at once; `bounded()` narrows it to the caller's grading budget and stops a
+  cancelled job's batch).
 - Without a pid namespace and not root: a program may signal processes of the worker's user
   (including the worker) and processes it started with a new session can outlive it.
 - A program can forge a pass only by deliberately introspecting the harness (its frames hold the
@@ -67,7 +68,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -79,6 +80,10 @@ log = logging.getLogger(__name__)
 RUNNER = Path(__file__).with_name("_sandbox_runner.py")
 
 Status = Literal["ok", "error", "timeout", "killed"]
+
+
+def _default_parallel() -> int:
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 @dataclass(frozen=True)
@@ -109,8 +114,10 @@ class Limits:
     """Range of that random offset (kept under 65536 for containers that map only 64 K ids)."""
     batch_overhead_s: float = 10.0
     """Extra seconds the caller allows a batch beyond its programs' wall limits (run `parallel` at once)."""
-    parallel: int = 4
-    """Programs of one batch run at once (a group's calls in parallel under ONE batch deadline)."""
+    parallel: int = field(default_factory=lambda: _default_parallel())
+    """Programs of one batch run at once (a group's calls in parallel under ONE batch deadline): up to
+    4, half the host's CPUs (every verify process runs its own batch, and a program starved of CPU
+    would time out at `wall_s` and score as wrong), at least 1."""
     batch_memory_mb: int = 2048
     """Memory of the whole batch (cgroup v2 `memory.max`, swap 0): every program and child together."""
     batch_pids: int = 64
@@ -171,8 +178,10 @@ def _policy() -> dict:
 
 
 def _run(programs: list[str], limits: Limits) -> dict:
-    rounds = -(-len(programs) // max(1, limits.parallel))
-    budget = rounds * (limits.wall_s + 0.5) + limits.batch_overhead_s
+    # The batch's deadline is the sum of its programs' wall limits, as if run one by one: lanes make a
+    # batch faster where CPUs are free, but on a busy host they share the CPUs, and a deadline divided
+    # by the lanes killed whole batches (every call an error) that would have finished.
+    budget = len(programs) * (limits.wall_s + 0.5) + limits.batch_overhead_s
     deadline, cancelled = _BOUNDS.get()
     if deadline is not None:
         budget = min(budget, deadline - time.monotonic())

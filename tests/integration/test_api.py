@@ -23,6 +23,7 @@ from marlaas.api.settings import ApiSettings
 from marlaas.api.tenancy import add_tenant
 from marlaas.errors import Conflict, Forbidden, MarlaasError, NotFound, RateLimited, SpecError, TooLarge, Unauthorized
 from marlaas.ops.embedded import free_port
+from marlaas.store.blobs import job_owner
 from marlaas.types import AdapterBlob
 
 pytestmark = pytest.mark.integration
@@ -436,6 +437,9 @@ def test_stored_bytes_are_visible_bounded_and_freed_by_deleting_a_job(two, st):
     _, c, op = two
     ja = c["alice"].post("/v1/jobs", json=SPEC).json()["id"]
     jb = c["bob"].post("/v1/jobs", json=SPEC).json()["id"]
+    # The run's artifact directory outlives each scratch DB while job ids restart at j1: objects an
+    # earlier test left under this job's prefix would be freed with it, so none are left.
+    st.artifacts.delete([o.key for o in st.artifacts.list(job_owner("alice", ja) + "/")])
     u0 = c["alice"].get("/v1/usage").json()
     st.publish(ja, 0, AdapterBlob(config={"r": 4}, weights=b"w" * 5000), b"o" * 3000, {"step": 1}, "t", [], 2)
     u = c["alice"].get("/v1/usage").json()

@@ -15,15 +15,18 @@ from marlaas.store import GEN_INFLIGHT, item_name
 
 
 def reference_interleave(jobs):
-    """The pre-heap algorithm: every admissible group keyed ((k + 1) / w, urgency rank), sorted."""
+    """The pre-heap algorithm: every admissible group keyed ((k + 1) * group_size / w, urgency rank),
+    sorted; w is the tenant's weight split evenly over the tenant's jobs still training."""
     def urgency(j):
-        blocked = j.dispatched < (j.version + 1) * j.groups_per_step
+        blocked = j.dispatched < min((j.version + 1) * j.groups_per_step, j.steps * j.groups_per_step)
         return (0 if blocked else 1, j.pass_value, int(j.id[1:]))
 
+    training = [j.tenant for j in jobs if j.version < j.steps]
     keyed = []
     for rank, j in enumerate(sorted(jobs, key=urgency)):
+        w = j.weight / max(1, training.count(j.tenant))
         for k, g in enumerate(range(j.dispatched, admission_limit(j.version, j.staleness, j.groups_per_step, j.steps))):
-            keyed.append(((k + 1) / j.weight, rank, ("gen", j.id, g)))
+            keyed.append(((k + 1) * (j.group_size / w), rank, ("gen", j.id, g)))
     keyed.sort(key=lambda x: (x[0], x[1]))
     return [it for _, _, it in keyed]
 
@@ -34,9 +37,10 @@ def random_jobs(rng, n):
         steps, p, s = rng.randint(1, 6), rng.randint(1, 4), rng.randint(0, 2)
         t = rng.randint(0, steps)
         d = rng.randint(min(t * p, steps * p), admission_limit(t, s, p, steps))
-        out.append(JobState(id=f"j{i + 1}", version=t, steps=steps, staleness=s, groups_per_step=p,
-                            group_size=rng.choice([2, 4, 8]), dispatched=d, weight=rng.choice([0.5, 1.0, 2.0, 3.0]),
-                            pass_value=rng.choice([0.0, 0.5, 1.0]), eval_rows=4))
+        out.append(JobState(id=f"j{i + 1}", tenant=rng.choice("abc"), version=t, steps=steps, staleness=s,
+                            groups_per_step=p, group_size=rng.choice([2, 4, 8]), dispatched=d,
+                            weight=rng.choice([0.5, 1.0, 2.0, 3.0]), pass_value=rng.choice([0.0, 0.5, 1.0]),
+                            eval_rows=4))
     return tuple(out)
 
 

@@ -270,7 +270,9 @@ def test_session_lifecycle_resume_and_checkpoints(worker_stack, tiny_base, api_k
 
 def test_unsupported_calls_fail_fast_with_a_clear_message(worker_stack, api_key):
     """Every call docs/tinker.md lists as unsupported fails through the unmodified SDK within a second,
-    saying it is not served (the supported ones are the calls of the two tests above)."""
+    saying it is not served (the supported ones are the calls of the two tests above). "Fast" means not
+    retried: the SDK retries a retryable answer (5xx, 408, 429) with backoff for far longer than the
+    bound here, which is loose because a loaded 2-core machine took 1.01 s for one answer."""
     import time
 
     url = os.environ["MARLAAS_API_URL"]
@@ -288,7 +290,7 @@ def test_unsupported_calls_fail_fast_with_a_clear_message(worker_stack, api_key)
         t0 = time.monotonic()
         with pytest.raises(tinker.NotFoundError, match="not served by marlaas"):
             call()
-        assert time.monotonic() - t0 < 1.0, name
+        assert time.monotonic() - t0 < 5.0, name
 
 
 SDK_CLIENTS = ("ServiceClient", "TrainingClient", "SamplingClient", "RestClient")
