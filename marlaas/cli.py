@@ -374,18 +374,34 @@ def tenant_add(
     max_prompts_per_step: int = typer.Option(256, min=1),
     weight: float = typer.Option(1.0, min=0.01, max=100.0, help="The tenant's share of the trainer."),
     storage_gb: float = typer.Option(20.0, min=0.0, help="Bytes it may keep in the artifact store, in GiB."),
+    quota: list[str] = typer.Option([], "--quota", help="Any other field of the plan as NAME=VALUE "
+                                    "(repeatable; the list: docs/deployment.md, The tenant plan)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Register a tenant and print its API token (shown once; clients pass it as MARLAAS_TOKEN).
     Operator tooling: it writes the store, so it runs where the service's credentials are."""
+    from pydantic import ValidationError
+
     from marlaas.api import tenancy
     from marlaas.store import Store
 
+    fields = {"max_active_jobs": max_active_jobs, "max_steps": max_steps, "max_group_size": max_group_size,
+              "max_prompts_per_step": max_prompts_per_step, "weight": weight,
+              "storage_bytes": int(storage_gb * 2**30)}
+    for item in quota:
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in tenancy.Quotas.model_fields:
+            raise MarlaasError(f"--quota {item!r}: expected NAME=VALUE with NAME one of "
+                               f"{', '.join(tenancy.Quotas.model_fields)}")
+        fields[key.strip()] = value.strip()
+    try:
+        plan = tenancy.Quotas(**fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise MarlaasError(f"--quota {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
     store = Store()
     store.check()
-    token = tenancy.add_tenant(store, name, tenancy.Quotas(
-        max_active_jobs=max_active_jobs, max_steps=max_steps, max_group_size=max_group_size,
-        max_prompts_per_step=max_prompts_per_step, weight=weight, storage_bytes=int(storage_gb * 2**30)))
+    token = tenancy.add_tenant(store, name, plan)
     if not _emit({"tenant": name, "token": token}, as_json):
         console.print(f"tenant {name} added; its token (shown once): {token}", markup=False, highlight=False)
 

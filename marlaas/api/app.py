@@ -23,7 +23,7 @@ from marlaas.api.access import Limits
 from marlaas.api.deps import loopback
 from marlaas.api.middleware import BodyLimit, install_error_handlers
 from marlaas.api.models import ErrorOut
-from marlaas.api.ratelimit import RateLimiter
+from marlaas.api.ratelimit import PlanLimiter, RateLimiter
 from marlaas.api.routes import files, graders, health, jobs, openai, tenants, tinker, verifiers
 from marlaas.api.service import Service
 from marlaas.api.settings import ApiSettings
@@ -46,6 +46,7 @@ def create_app(store_url: str | None = None, home: Path | None = None, *, open: 
                   responses={code: {"model": ErrorOut} for code in (401, 404, 422, 429)})
     limiter = RateLimiter(s.rate, s.burst, service.store.r.connection_pool)  # one budget across API processes
     app.state.service, app.state.settings, app.state.limiter = service, s, limiter
+    app.state.plan_limiter = PlanLimiter(service.store.r.connection_pool)  # the plans' per-tenant budgets
     app.add_middleware(BodyLimit, max_body=s.max_body_bytes, max_file=s.max_file_bytes, upload_path=files.PATH)
     install_error_handlers(app)
     for module in (health, jobs, files, tenants, graders, verifiers, tinker, openai):  # tinker, openai: other wires

@@ -10,6 +10,10 @@ rate 0 disables the limit; the budget lives under the store's `RATELIMIT` prefix
 key (a hash of its token, or its peer address), so two processes on one Redis share one budget; a Redis
 failure is `StoreUnavailable` (503), never a silent pass. Without a Redis connection pool (unit use)
 the budget is in-process memory.
+
+`PlanLimiter` is the same over a tenant's plan: a named budget per tenant (serving requests and tokens
+per minute), where one request may cost more than one unit; a request that would pass the budget
+takes nothing from it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 
-from limits import RateLimitItemPerSecond
+from limits import RateLimitItemPerMinute, RateLimitItemPerSecond
 from limits.errors import StorageError
 from limits.storage import MemoryStorage, RedisStorage, Storage
 from limits.strategies import MovingWindowRateLimiter
@@ -51,3 +55,31 @@ class RateLimiter:
         except StorageError as e:
             raise StoreUnavailable(f"the rate limit's store does not answer ({e.storage_error})") from None
         return max(reset - time.time(), 0.1)
+
+
+class PlanLimiter:
+    """Per-tenant budgets of the plan over a moving 60 s window, in Redis through `pool` (in memory
+    without one): `take(tenant, [(name, per_minute, cost), ...])`."""
+
+    def __init__(self, pool: ConnectionPool | None = None):
+        storage: Storage = (MemoryStorage() if pool is None else
+                            RedisStorage("redis://", connection_pool=pool, key_prefix=RATELIMIT + "plan:",
+                                         wrap_exceptions=True))
+        self.limiter = MovingWindowRateLimiter(storage)
+
+    def take(self, tenant: str, budgets: list[tuple[str, int, int]]) -> tuple[str, float] | None:
+        """None when each (name, per_minute, cost) fits in the tenant's budget of that name (all are
+        then taken), else (the first name that does not fit, seconds until enough may have drained)
+        and nothing is taken. Two processes may both pass the check at once: the budget may be
+        exceeded by what they take together, never more."""
+        try:
+            for name, per_minute, cost in budgets:
+                item = RateLimitItemPerMinute(per_minute)
+                if not self.limiter.test(item, name, tenant, cost=cost):
+                    reset = self.limiter.get_window_stats(item, name, tenant).reset_time
+                    return name, max(reset - time.time(), 0.1)
+            for name, per_minute, cost in budgets:
+                self.limiter.hit(RateLimitItemPerMinute(per_minute), name, tenant, cost=cost)
+        except StorageError as e:
+            raise StoreUnavailable(f"the rate limit's store does not answer ({e.storage_error})") from None
+        return None

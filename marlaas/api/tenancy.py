@@ -72,6 +72,13 @@ class Quotas(BaseModel):
     left): past it the step's remaining calls score as errors, with a warning notice."""
     max_grader_s_per_eval: float = Field(GRADER_S_PER_EVAL, gt=0)
     """Sandbox seconds of the job's python graders per evaluation, the same way."""
+    serve_requests_per_minute: int = Field(600, ge=1)
+    """OpenAI-door requests (`/v1/chat/completions`, `/v1/completions`) of the tenant in any 60 s,
+    over every API process (429 with Retry-After past it), before anything is queued."""
+    serve_tokens_per_minute: int = Field(200_000, ge=1)
+    """Completion tokens the tenant's serving requests may ask for in any 60 s: each request reserves
+    n x max_tokens (per prompt) at the door, whatever it then generates (429 past it; one request
+    asking for more than the whole minute's budget is a 400)."""
     storage_bytes: int = Field(20 << 30, ge=0)
     """Bytes the tenant keeps in the artifact store (adapter versions, optimizer states, Tinker
     checkpoints, uploads): at or past it, new jobs, uploads and Tinker checkpoints are refused (413)

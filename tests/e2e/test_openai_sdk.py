@@ -162,3 +162,26 @@ def test_promote_pins_best_and_unpin_rolls_it_forward(trained):
     other = httpx.post(f"{url}/v1/jobs/{jid}/promote", json={"version": 2}, timeout=60,
                        headers={"Authorization": "Bearer nope"})
     assert other.status_code == 401
+
+
+def test_the_plan_bounds_serving_requests_and_tokens_per_minute(trained):
+    """A tenant's plan caps its serving per minute over every API process: past the requests or the
+    reserved tokens (n x max_tokens) the SDK gets its RateLimitError with a Retry-After, and a request
+    asking for more than a whole minute's tokens is its BadRequestError; nothing refused is queued."""
+    from marlaas.api import tenancy
+    from marlaas.store import Store
+
+    url = trained[0]
+    plan = tenancy.Quotas(serve_requests_per_minute=2, serve_tokens_per_minute=40)
+    client = _client(url, tenancy.add_tenant(Store(), "sdk-plan", plan))
+    base = client.models.list().data[0].id
+    msg = [{"role": "user", "content": "max of 1 2?"}]
+    with pytest.raises(openai.BadRequestError, match="serve_tokens_per_minute"):
+        client.chat.completions.create(model=base, messages=msg, max_tokens=41)
+    client.chat.completions.create(model=base, messages=msg, max_tokens=8, n=2)  # 16 tokens reserved
+    with pytest.raises(openai.RateLimitError, match="serve_tokens_per_minute") as e:  # 16 + 30 > 40
+        client.completions.create(model=base, prompt=["a", "b", "c"], max_tokens=10)
+    assert int(e.value.response.headers["retry-after"]) >= 1
+    client.completions.create(model=base, prompt="max of 1 2?", max_tokens=8)  # the 2nd request: 24 tokens
+    with pytest.raises(openai.RateLimitError, match="serve_requests_per_minute"):
+        client.completions.create(model=base, prompt="max of 1 2?", max_tokens=1)

@@ -122,9 +122,15 @@ def test_cli_tenant_add_and_one_line_refusals(url):
     # `tenant add` is operator tooling on the server host (it reads the store); the tenant commands
     # (`status`) go through the API, started here as the Procfile's `api` line would.
     with api_server(url) as env:
-        out = subprocess.run(cli + ["tenant", "add", "erin", "--json"], env=env, capture_output=True, text=True)
+        bad = subprocess.run(cli + ["tenant", "add", "erin", "--quota", "max_steps=0"], env=env, capture_output=True,
+                             text=True)
+        assert bad.returncode == 2 and bad.stderr.strip() == ("error: --quota max_steps: Input should be greater "
+                                                              "than or equal to 1")
+        out = subprocess.run(cli + ["tenant", "add", "erin", "--json", "--quota", "serve_requests_per_minute=5"],
+                             env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         token = json.loads(out.stdout)["token"]
+        assert Store(url).tenant("erin")["quotas"]["serve_requests_per_minute"] == 5
         denied = subprocess.run(cli + ["status"], env=env, capture_output=True, text=True)
         assert denied.returncode == 2
         assert denied.stderr.strip().count("\n") == 0 and "needs a token" in denied.stderr

@@ -5,8 +5,10 @@ promotion (`/v1/jobs/{id}/promote`) on the marlaas API server.
     client.chat.completions.create(model="j12@best", messages=[{"role": "user", "content": "12+3="}])
 
 Authentication and rate limit are the API's one (`marlaas.api.deps.Caller`: the SDK sends the tenant
-token as `Authorization: Bearer`). Model names: `marlaas.api.openai.names` (another tenant's model is a
-404 exactly like an unknown one).
+token as `Authorization: Bearer`); then a tenant's plan bounds its serving (`Quotas.
+serve_requests_per_minute`, `serve_tokens_per_minute`: n x max_tokens reserved per prompt), checked
+in the shared store before anything is queued (429 with Retry-After). Model names:
+`marlaas.api.openai.names` (another tenant's model is a 404 exactly like an unknown one).
 
 Serving reuses the sampling path of the Tinker door: each request becomes a sample request in the
 store's sample queue (`TinkerStore.enqueue_sample`, body `serve`); a generate worker takes it FIRST into
@@ -40,8 +42,9 @@ from marlaas.api.access import Principal
 from marlaas.api.deps import Caller, service
 from marlaas.api.openai import names, wire
 from marlaas.api.service import Service
+from marlaas.api.tenancy import plan_of
 from marlaas.api.tinker import futures
-from marlaas.errors import ApiUnavailable, MarlaasError, ServerError, SpecError
+from marlaas.errors import ApiUnavailable, MarlaasError, RateLimited, ServerError, SpecError
 from marlaas.store.tinker import TinkerStore
 
 SERVE_TIMEOUT_S = 600.0
@@ -104,6 +107,24 @@ def _owner(p: Principal) -> str:
     return p.tenant or "default"
 
 
+def charge(request: Request, svc: Service, p: Principal, bodies: list[dict]) -> None:
+    """Take a serving request from the tenant's plan budgets (requests, completion tokens per minute),
+    or refuse it before anything is queued. The open single user and the operator are not bounded."""
+    if p.tenant is None:
+        return
+    q, limiter = plan_of(svc.store, p.tenant), request.app.state.plan_limiter
+    tokens = sum(b["n"] * b["params"]["max_tokens"] for b in bodies)
+    if tokens > q.serve_tokens_per_minute:
+        raise SpecError(f"invalid request: n x max_tokens asks for {tokens} tokens, more than the "
+                        f"{q.serve_tokens_per_minute} per minute of your plan (serve_tokens_per_minute)")
+    refused = limiter.take(p.tenant, [("serve_requests", q.serve_requests_per_minute, 1),
+                                      ("serve_tokens", q.serve_tokens_per_minute, tokens)])
+    if refused is not None:
+        name, wait = refused
+        raise RateLimited(f"over your plan's {name}_per_minute ({getattr(q, name + '_per_minute')}): "
+                          f"retry in {wait:.1f} s", wait)
+
+
 async def _serve(ts: TinkerStore, owner: str, bodies: list[dict]) -> tuple[str, list[dict]]:
     """Queue the sample requests and await their futures; (first request id, results in order)."""
     rids = [await run_in_threadpool(ts.enqueue_sample, owner, b) for b in bodies]
@@ -152,7 +173,9 @@ async def chat_completions(request: Request, p: Principal = Caller, svc: Service
     ts = TinkerStore(svc.store)
     target = await run_in_threadpool(names.resolve, svc.store, ts, p.tenant, req.model)
     ref = target.ref
-    rid, (result,) = await _serve(ts, _owner(p), [req.body(ref.job_id if ref else None, ref.version if ref else 0)])
+    bodies = [req.body(ref.job_id if ref else None, ref.version if ref else 0)]
+    await run_in_threadpool(charge, request, svc, p, bodies)
+    rid, (result,) = await _serve(ts, _owner(p), bodies)
     body = wire.chat_body(rid, req.model, result, bool(req.logprobs))
     return _answer(body, result["adapter_sha256"], req.stream, wire.chat_chunks, req.stream_options)
 
@@ -163,7 +186,9 @@ async def completions(request: Request, p: Principal = Caller, svc: Service = Sv
     ts = TinkerStore(svc.store)
     target = await run_in_threadpool(names.resolve, svc.store, ts, p.tenant, req.model)
     ref = target.ref
-    rid, results = await _serve(ts, _owner(p), req.bodies(ref.job_id if ref else None, ref.version if ref else 0))
+    bodies = req.bodies(ref.job_id if ref else None, ref.version if ref else 0)
+    await run_in_threadpool(charge, request, svc, p, bodies)
+    rid, results = await _serve(ts, _owner(p), bodies)
     body = wire.completion_body(rid, req.model, results, req.logprobs is not None)
     return _answer(body, results[0]["adapter_sha256"], req.stream, wire.completion_chunks, req.stream_options)
 
