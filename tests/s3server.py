@@ -48,8 +48,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.bind((host, 0))
             socks.append(s)
             p = s.getsockname()[1]
-            # weed also listens on port + 10000 (gRPC) for master, volume and filer
-            if p + 10000 < 65536 and p not in ports:
+            if p not in ports:
                 ports.append(p)
     finally:
         for s in socks:
@@ -145,12 +144,16 @@ def seaweed(tmpdir: Path | str, ip: str = "127.0.0.1", bucket: str = "marlaas", 
         {"name": "reader", "credentials": [{"accessKey": ro[0], "secretKey": ro[1]}], "actions": ["Read", "List"]},
     ]}))
     # the ports are probed on this host; inside a fresh network namespace every port is free anyway
-    s3p, master, volume, filer = free_ports(4)
+    # Every port is chosen: weed's defaults (gRPC on port + 10000, Iceberg 8181, Lance 9101) collide
+    # with whatever else the host runs, two servers at once included.
+    s3p, master, volume, filer, *grpc = free_ports(8)
     s3 = S3Server(f"http://{ip}:{s3p}", bucket, access, secret, prefix=prefix, log=root / "weed.log",
-                  readonly=ro, ports=[s3p, master, volume, filer])
+                  readonly=ro, ports=[s3p, master, volume, filer, *grpc])
     argv = [weed, "server", f"-dir={root / 'data'}", f"-ip={ip}", f"-ip.bind={ip}",
-            "-s3", f"-s3.port={s3p}", f"-s3.config={config}",
+            "-s3", f"-s3.port={s3p}", f"-s3.config={config}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
+            f"-s3.port.grpc={grpc[0]}", f"-master.port.grpc={grpc[1]}", f"-volume.port.grpc={grpc[2]}",
+            f"-filer.port.grpc={grpc[3]}",
             f"-master.volumeSizeLimitMB={volume_mb}", "-volume.max=16", "-metricsPort=0"]
     with open(s3.log, "ab") as out:
         s3.proc = subprocess.Popen([*(wrap or []), *argv], cwd=root, stdin=subprocess.DEVNULL, stdout=out,

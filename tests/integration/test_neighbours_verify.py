@@ -80,7 +80,7 @@ def test_grader_seconds_past_the_plan_score_as_errors_with_a_notice(st):
     from marlaas.spec import JobSpec
     from marlaas.verify.job_scoring import score_job
 
-    add_tenant(st, "slow", Quotas(max_grader_s_per_step=1.0))
+    add_tenant(st, "slow", Quotas(max_grader_s_per_step=3.0))  # a batch's programs may run one by one
     from tests.integration.test_python_grader import ROWS
 
     spec = JobSpec(dataset=ROWS, grader={"type": "python", "source": SLEEPY, "timeout_s": 2}, tenant="slow",
@@ -89,7 +89,7 @@ def test_grader_seconds_past_the_plan_score_as_errors_with_a_notice(st):
     items = [({"prompt": "p", "answer": "1"}, ["1", "2"])]
     first = score_job(st, jid, spec, items, key=0)  # within the bound: scored
     assert first is not None and first[0].errors == 0
-    second = score_job(st, jid, spec, items * 4, key=0)  # past it: stopped at the bound, errors
+    second = score_job(st, jid, spec, items * 6, key=0)  # past it (12 x 0.6 s): stopped at the bound, errors
     assert second is not None and all(s.errors == 2 for s in second)
     third = score_job(st, jid, spec, items, key=0)
     assert third is None or third[0].errors == 2  # not run at all now
