@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from marlaas.api.access import Limits
 from marlaas.api.deps import loopback
 from marlaas.api.middleware import BodyLimit, install_error_handlers
-from marlaas.api.models import ErrorOut
 from marlaas.api.ratelimit import PlanLimiter, RateLimiter
+from marlaas.api.responses import allowed_methods, bound_integers
 from marlaas.api.routes import files, graders, health, jobs, openai, tenants, tinker, verifiers
 from marlaas.api.service import Service
 from marlaas.api.settings import ApiSettings
@@ -42,16 +44,34 @@ def create_app(store_url: str | None = None, home: Path | None = None, *, open: 
     service = Service(Store(store_url), home or deployment.home, Limits.from_settings(deployment),
                       open_single_user=s.open if open is None else open)
     app = FastAPI(title="marlaas", version="0.1.0",
-                  description="Multi-tenant asynchronous RL fine-tuning of LLMs with LoRA adapters.",
-                  responses={code: {"model": ErrorOut} for code in (401, 404, 422, 429)})
+                  description="Multi-tenant asynchronous RL fine-tuning of LLMs with LoRA adapters.")
     limiter = RateLimiter(s.rate, s.burst, service.store.r.connection_pool)  # one budget across API processes
     app.state.service, app.state.settings, app.state.limiter = service, s, limiter
     app.state.plan_limiter = PlanLimiter(service.store.r.connection_pool)  # the plans' per-tenant budgets
     app.add_middleware(BodyLimit, max_body=s.max_body_bytes, max_file=s.max_file_bytes, upload_path=files.PATH)
     install_error_handlers(app)
+    keep_http_headers(app)
+    openapi = app.openapi
+    app.openapi = lambda: bound_integers(openapi())  # type: ignore[method-assign]  # the body check's 64 bits
     for module in (health, jobs, files, tenants, graders, verifiers, tinker, openai):  # tinker, openai: other wires
         app.include_router(module.router)
     return app
+
+
+def keep_http_headers(app: FastAPI) -> None:
+    """Starlette's own HTTP errors keep their headers in the envelope: a 405 names the methods the path
+    allows (`Allow`, as RFC 9110 requires): those of every documented route of the path (Starlette's
+    names only the first route it matched)."""
+    envelope = app.exception_handlers[StarletteHTTPException]
+
+    async def with_headers(request: Request, exc: StarletteHTTPException) -> Response:
+        response = await envelope(request, exc)
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405 and (allowed := allowed_methods(request)):
+            response.headers["Allow"] = ", ".join(allowed)
+        return response
+
+    app.add_exception_handler(StarletteHTTPException, with_headers)
 
 
 def serve(host: str = "127.0.0.1", port: int | None = None, *, open: bool | None = None,

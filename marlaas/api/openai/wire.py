@@ -233,6 +233,26 @@ def completion_chunks(body: dict, include_usage: bool) -> list[str]:
     return out + [sse("[DONE]")]
 
 
+class OpenAIErrorDetail(BaseModel):
+    """One error in OpenAI's shape."""
+
+    message: str
+    """One line for the user."""
+    type: str
+    """invalid_request_error, permission_error, rate_limit_error or server_error."""
+    param: str | None
+    """The request parameter at fault, if known."""
+    code: str | None
+    """invalid_api_key, model_not_found, not_found, rate_limit_exceeded, or None."""
+
+
+class OpenAIErrorOut(BaseModel):
+    """The body of every error of the OpenAI-compatible routes (what `error` builds)."""
+
+    error: OpenAIErrorDetail
+    """What went wrong."""
+
+
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
                404: "invalid_request_error", 409: "invalid_request_error", 410: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error"}

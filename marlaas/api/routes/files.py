@@ -14,13 +14,18 @@ from fastapi import APIRouter, Depends, Query, Request
 from marlaas.api.access import Principal
 from marlaas.api.deps import Caller, service
 from marlaas.api.models import FileOut
+from marlaas.api.responses import AUTHENTICATED, Declared, errors
 from marlaas.api.service import Service
 
 PATH = "/v1/files"
-router = APIRouter(tags=["files"])
+router = APIRouter(tags=["files"], route_class=Declared, responses=errors(*AUTHENTICATED, 403))
 
 
-@router.post(PATH, status_code=201, response_model=FileOut)
+BODY = {"requestBody": {"required": True, "description": "The file's bytes (JSONL or parquet), streamed",
+                        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
+
+
+@router.post(PATH, status_code=201, response_model=FileOut, openapi_extra=BODY)
 def upload(request: Request, filename: str | None = Query(None, max_length=255, description=(
                "The file's name; its suffix (.jsonl, .parquet) gives the format, else the content does.")),
            p: Principal = Caller, svc: Service = Depends(service)) -> dict:

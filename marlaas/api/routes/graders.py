@@ -24,11 +24,13 @@ from marlaas.api.access import Principal
 from marlaas.api.deps import Caller, service
 from marlaas.api.dryruns import DryRuns
 from marlaas.api.models import GraderIn, RunIn, RunOut
+from marlaas.api.responses import AUTHENTICATED, Declared, errors
 from marlaas.api.service import Service
 from marlaas.verify import boundary
 from marlaas.verify import graders as g
 
-router = APIRouter(prefix="/v1/graders", tags=["graders"])
+router = APIRouter(prefix="/v1/graders", tags=["graders"], route_class=Declared,
+                   responses=errors(*AUTHENTICATED))
 _MADE = threading.Lock()
 
 

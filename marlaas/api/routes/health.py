@@ -12,7 +12,8 @@ from marlaas.api.service import Service
 router = APIRouter(prefix="/v1", tags=["health"])
 
 
-@router.get("/health", response_model=Health)
+@router.get("/health", response_model=Health,
+            responses={503: {"model": Health, "description": "The store does not answer"}})
 def health(svc: Service = Depends(service)) -> JSONResponse:
     """200 with store true, or 503 when Redis does not answer."""
     ok = svc.store.ping()

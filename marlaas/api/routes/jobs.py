@@ -13,7 +13,7 @@ import json
 import time
 from typing import Any
 
-from fastapi import APIRouter, Body, Depends, Header, Query, Request
+from fastapi import APIRouter, Body, Depends, Header, Path, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -21,17 +21,22 @@ from marlaas.api import preflight
 from marlaas.api.access import Principal
 from marlaas.api.deps import Caller, service
 from marlaas.api.models import CheckpointList, EventPage, JobDeleted, JobList, JobOut
+from marlaas.api.responses import AUTHENTICATED, Declared, errors
 from marlaas.api.service import Service
 from marlaas.errors import MarlaasError, SpecError
 from marlaas.types import TERMINAL_STATUSES
 from marlaas.verify import evaluation
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=Declared,
+                   responses=errors(*AUTHENTICATED, 404))
 Svc = Depends(service)
+CURSOR = r"^[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?$"
+"""An event's cursor (its `id:`, Unix seconds)."""
 
 
 @router.post("", status_code=201, response_model=JobOut,
-             responses={202: {"model": JobOut, "description": "A preflight still running after `wait` seconds"}})
+             responses={202: {"model": JobOut, "description": "A preflight still running after `wait` seconds"},
+                        **errors(403)})
 async def submit(response: Response,
                  spec: dict[str, Any] = Body(..., description="A job spec (marlaas.spec.JobSpec); `dataset` and "
                                              "`eval_dataset` are lists of rows or uploaded file ids."),
@@ -59,7 +64,7 @@ def get_job(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
     return svc.get(p, job_id)
 
 
-@router.delete("/{job_id}", response_model=JobDeleted)
+@router.delete("/{job_id}", response_model=JobDeleted, responses=errors(409))
 def delete_job(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
     """Delete an ended job: its record, data, adapter versions and optimizer state (409 while it runs:
     cancel it first); answers the bytes freed in the artifact store."""
@@ -71,12 +76,12 @@ def cancel(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
     return svc.cancel(p, job_id)
 
 
-@router.post("/{job_id}/pause", response_model=JobOut)
+@router.post("/{job_id}/pause", response_model=JobOut, responses=errors(409))
 def pause(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
     return svc.pause(p, job_id)
 
 
-@router.post("/{job_id}/resume", response_model=JobOut)
+@router.post("/{job_id}/resume", response_model=JobOut, responses=errors(409))
 def resume(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
     return svc.resume(p, job_id)
 
@@ -84,7 +89,8 @@ def resume(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
 @router.get("/{job_id}/events", response_model=EventPage, responses={200: {"content": {"text/event-stream": {}}}})
 async def events(request: Request, job_id: str, after: float | None = Query(None),
                  limit: int = Query(500, ge=1, le=10_000), p: Principal = Caller, svc: Service = Svc,
-                 last_event_id: str | None = Header(None)):
+                 last_event_id: str = Header(None, pattern=CURSOR, description="The `id:` of the last "
+                                                    "event received: the stream resumes after it")):
     """A server-sent event stream (`event: step|eval|task|status|end`, `id:` the cursor) until the
     job ends; with `Accept: application/json`, one page of events after `after` instead."""
     if after is None and last_event_id:
@@ -123,7 +129,9 @@ def checkpoints(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
 
 
 @router.get("/{job_id}/checkpoints/{version}/adapter", responses={200: {"content": {"application/gzip": {}}}})
-def adapter(job_id: str, version: str, p: Principal = Caller, svc: Service = Svc) -> Response:
+def adapter(job_id: str, version: str = Path(description="A version number or 'latest'",
+                                              json_schema_extra={"pattern": "^(latest|[0-9]+)$"}),
+            p: Principal = Caller, svc: Service = Svc) -> Response:
     """The adapter of `version` ('latest' = the newest) as a tar.gz of a PEFT directory."""
     if version == "latest":
         v = None

@@ -33,14 +33,15 @@ import time
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from marlaas.api import access
 from marlaas.api.access import Principal
 from marlaas.api.deps import Caller, service
+from marlaas.api.models import ErrorOut
 from marlaas.api.openai import names, wire
+from marlaas.api.responses import AUTHENTICATED, Declared, errors, json_body, openai_errors
 from marlaas.api.service import Service
 from marlaas.api.tenancy import plan_of
 from marlaas.api.tinker import futures
@@ -67,9 +68,14 @@ def openai_error(err: MarlaasError | str, status: int | None = None, param: str 
     return JSONResponse(body, status_code=code, headers=headers)
 
 
-class OpenAIRoute(APIRoute):
+class OpenAIRoute(Declared):
     """A route whose every error (its dependencies' too: authentication, rate limit) leaves in
-    OpenAI's error shape instead of the marlaas envelope."""
+    OpenAI's error shape instead of the marlaas envelope; but for what the app answers before any route
+    runs (`BEFORE`: the body limit's 413 and the JSON body check's 422, in the marlaas envelope)."""
+
+    BEFORE = {413: {"model": ErrorOut, "description": "The request body is over the limit (the marlaas envelope)"},
+              422: {"model": ErrorOut, "description": "A JSON body nested too deeply, holding NaN, Infinity, an "
+                    "integer past 64 bits or a lone surrogate (refused before the route: the marlaas envelope)"}}
 
     def get_route_handler(self):
         handler = super().get_route_handler()
@@ -85,8 +91,10 @@ class OpenAIRoute(APIRoute):
         return guarded
 
 
-v1 = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
-promotion = APIRouter(prefix="/v1/jobs", tags=["serving"])
+v1 = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute,
+               responses=openai_errors(400, 401, 404, 429, 503))
+promotion = APIRouter(prefix="/v1/jobs", tags=["serving"], route_class=Declared,
+                      responses=errors(*AUTHENTICATED, 404))
 
 
 async def _body(request: Request, model: type[BaseModel]):
@@ -154,6 +162,10 @@ def _answer(body: dict, sha: str | None, stream: bool, chunks, stream_options: d
                              headers={**headers, "Cache-Control": "no-cache"})
 
 
+STREAM = {200: {"content": {"text/event-stream": {}}, "description": "The completion; with `stream: true`, "
+              "its server-sent-event chunks"}}
+
+
 @v1.get("/models")
 async def list_models(p: Principal = Caller, svc: Service = Svc) -> dict:
     """The models the caller may call: the base, its jobs (`JOB`) and their `JOB@best`."""
@@ -167,7 +179,7 @@ async def get_model(model: str, p: Principal = Caller, svc: Service = Svc) -> di
             "owned_by": "marlaas" if target.ref is None else (p.tenant or "marlaas")}
 
 
-@v1.post("/chat/completions")
+@v1.post("/chat/completions", openapi_extra=json_body(wire.ChatRequest), responses=STREAM)
 async def chat_completions(request: Request, p: Principal = Caller, svc: Service = Svc) -> Response:
     req = await _body(request, wire.ChatRequest)
     ts = TinkerStore(svc.store)
@@ -180,7 +192,7 @@ async def chat_completions(request: Request, p: Principal = Caller, svc: Service
     return _answer(body, result["adapter_sha256"], req.stream, wire.chat_chunks, req.stream_options)
 
 
-@v1.post("/completions")
+@v1.post("/completions", openapi_extra=json_body(wire.CompletionRequest), responses=STREAM)
 async def completions(request: Request, p: Principal = Caller, svc: Service = Svc) -> Response:
     req = await _body(request, wire.CompletionRequest)
     ts = TinkerStore(svc.store)
@@ -195,6 +207,10 @@ async def completions(request: Request, p: Principal = Caller, svc: Service = Sv
 
 # ---------------------------------------------------------------- promotion (marlaas routes)
 class PromoteIn(BaseModel):
+    """The version to pin as `@best`."""
+
+    model_config = ConfigDict(extra="forbid")
+
     version: int
 
 
@@ -211,7 +227,7 @@ def get_promotion(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dic
     return _best(svc, job_id)
 
 
-@promotion.post("/{job_id}/promote")
+@promotion.post("/{job_id}/promote", responses=errors(409))
 def promote(job_id: str, req: PromoteIn, p: Principal = Caller, svc: Service = Svc) -> dict:
     """Pin `@best` to an evaluated, stored version (a rollback, or a choice by hand)."""
     access.job(svc.store, p.tenant, job_id)

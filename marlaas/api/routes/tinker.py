@@ -24,10 +24,13 @@ from pathlib import Path
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from marlaas.api import access, tenancy
 from marlaas.api.access import Principal
 from marlaas.api.deps import Caller, service
+from marlaas.api.responses import AUTHENTICATED, Declared, allowed_methods, errors, json_body
 from marlaas.api.service import Service
 from marlaas.api.tinker import checkpoints, futures, models, wire
 from marlaas.errors import Gone, NotFound, RateLimited, SpecError
@@ -35,6 +38,8 @@ from marlaas.spec import LoraSpec
 from marlaas.store.tinker import TinkerStore, parse_path
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
+api = APIRouter(route_class=Declared, responses=errors(*AUTHENTICATED, 403, 404, 410))
+"""Every authenticated Tinker route (all but /healthz and the catch-all), included into `router` below."""
 Svc = Depends(service)
 LORA_FIELDS = ("rank", "seed", "train_attn", "train_mlp", "train_unembed", "alpha")
 CLIENT_CONFIG = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False,
@@ -52,6 +57,10 @@ def tinker_store(svc: Service = Svc) -> TinkerStore:
 
 
 Tenant = Depends(trainer)
+# What the routes check beyond the body models (`wire.checkpoint_name`, `wire.ttl`, `load_weights`), declared.
+NAME = {"pattern": wire.NAME.pattern}
+TTL = {"minimum": 1, "maximum": wire.MAX_TTL_S}
+STATE_PATH = {"pattern": r"^tinker://[A-Za-z0-9_.:-]+/weights/[A-Za-z0-9_.-]+$"}
 Tk = Depends(tinker_store)
 
 
@@ -121,35 +130,35 @@ def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.post("/client/config")
+@api.post("/client/config")
 def client_config(t: str = Tenant) -> dict:
     return CLIENT_CONFIG
 
 
-@router.post("/client/dynamic_config")
+@api.post("/client/dynamic_config")
 def dynamic_config(t: str = Tenant) -> dict:
     return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
 
-@router.post("/telemetry")
+@api.post("/telemetry")
 def telemetry(t: str = Tenant) -> dict:
     return {"status": "accepted"}  # the SDK's telemetry is accepted and dropped
 
 
-@router.get("/get_server_capabilities")
+@api.get("/get_server_capabilities")
 def capabilities(t: str = Tenant, svc: Service = Svc) -> dict:
     name, _, ctx = base_info(svc)
     return {"supported_models": [{"model_name": name, "max_context_length": ctx, "trainable": True,
                                   "sampleable": True, "max_lora_rank": svc.max_lora_rank()}] if name else []}
 
 
-@router.post("/create_session")
+@api.post("/create_session", openapi_extra=json_body(models.CreateSessionRequest))
 async def create_session(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
     await wire.body(request, models.CreateSessionRequest)
     return {"type": "create_session", "session_id": ts.create_session(t)}
 
 
-@router.post("/session_heartbeat")
+@api.post("/session_heartbeat", openapi_extra=json_body(models.SessionHeartbeatRequest))
 async def session_heartbeat(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
     """A heartbeat; 410 once the session has ended (the SDK then stops its heartbeat loop)."""
     sid = (await wire.body(request, models.SessionHeartbeatRequest)).session_id
@@ -158,7 +167,7 @@ async def session_heartbeat(request: Request, t: str = Tenant, ts: TinkerStore =
     return {"type": "session_heartbeat"}
 
 
-@router.post("/sessions/{sid}/finish")
+@api.post("/sessions/{sid}/finish", openapi_extra=json_body(models.SessionFinishRequest))
 async def finish_session(sid: str, request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
     """ServiceClient.close: the session ends with the client's reason (the first reason wins, so a
     finish after expiry or a second close still succeeds: it never masks the run's own error); its
@@ -169,14 +178,14 @@ async def finish_session(sid: str, request: Request, t: str = Tenant, ts: Tinker
     return {"session_id": sid, "reason": ts.end_session(sid, reason, req.detail or "")}
 
 
-@router.get("/sessions/{sid}")
+@api.get("/sessions/{sid}")
 def get_session(sid: str, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
     ts.session(t, sid)
     return {"training_run_ids": ts.session_models(sid), "sampler_ids": []}
 
 
 # ---------------------------------------------------------------- models
-@router.post("/create_model")
+@api.post("/create_model", openapi_extra=json_body(models.CreateModelRequest))
 async def create_model(request: Request, t: str = Tenant, svc: Service = Svc, ts: TinkerStore = Tk) -> dict:
     req = await wire.body(request, models.CreateModelRequest)
     base = check_base(svc, req.base_model)
@@ -187,7 +196,7 @@ async def create_model(request: Request, t: str = Tenant, svc: Service = Svc, ts
     return {"request_id": rid, "model_id": mid}
 
 
-@router.post("/get_info")
+@api.post("/get_info", openapi_extra=json_body(models.GetInfoRequest))
 async def get_info(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
     mid = (await wire.body(request, models.GetInfoRequest)).model_id
     m = ts.model(t, mid)
@@ -196,7 +205,7 @@ async def get_info(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> d
             "model_data": {"arch": "marlaas-lora", "model_name": m["base"], "tokenizer_id": m["base"]}}
 
 
-@router.get("/training_runs")
+@api.get("/training_runs")
 def list_training_runs(t: str = Tenant, ts: TinkerStore = Tk, limit: int = Query(20, ge=1, le=10_000),
                        offset: int = Query(0, ge=0, le=2**31)) -> dict:
     """The tenant's own training runs (models), oldest first, a page of them."""
@@ -205,13 +214,13 @@ def list_training_runs(t: str = Tenant, ts: TinkerStore = Tk, limit: int = Query
             "cursor": {"offset": offset, "limit": limit, "total_count": len(mids)}}
 
 
-@router.get("/training_runs/{mid}")
+@api.get("/training_runs/{mid}")
 def training_run(mid: str, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
     return checkpoints.training_run(ts, t, mid)
 
 
 # ---------------------------------------------------------------- training ops (queued)
-@router.post("/forward_backward")
+@api.post("/forward_backward", openapi_extra=json_body(models.ForwardBackwardRequest))
 async def forward_backward(request: Request, t: str = Tenant, svc: Service = Svc, ts: TinkerStore = Tk) -> dict:
     head, payload = wire.fwdbwd_request(await request.body(), request.headers.get("content-type", ""),
                                         request.headers.get("content-encoding", "identity"))
@@ -220,7 +229,7 @@ async def forward_backward(request: Request, t: str = Tenant, svc: Service = Svc
                  "forward_backward", payload, svc)
 
 
-@router.post("/forward")
+@api.post("/forward", openapi_extra=json_body(models.ForwardRequest))
 async def forward(request: Request, t: str = Tenant, svc: Service = Svc, ts: TinkerStore = Tk) -> dict:
     req = await wire.body(request, models.ForwardRequest)
     payload = wire.json_fwdbwd(req.forward_input, forward_only=True)
@@ -228,13 +237,13 @@ async def forward(request: Request, t: str = Tenant, svc: Service = Svc, ts: Tin
     return queue(ts, t, req.model_id, req.seq_id, "forward", payload, svc)
 
 
-@router.post("/optim_step")
+@api.post("/optim_step", openapi_extra=json_body(models.OptimStepRequest))
 async def optim_step(request: Request, t: str = Tenant, svc: Service = Svc, ts: TinkerStore = Tk) -> dict:
     req = await wire.body(request, models.OptimStepRequest)
     return queue(ts, t, req.model_id, req.seq_id, "optim_step", {"adam": req.optim_params.model_dump()}, svc)
 
 
-@router.post("/save_weights")
+@api.post("/save_weights", openapi_extra=json_body(models.SaveWeightsRequest, path=NAME, ttl_seconds=TTL))
 async def save_weights(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
     req = await wire.body(request, models.SaveWeightsRequest)
     name = wire.checkpoint_name(req.path or f"state-{int(time.time() * 1000)}")
@@ -244,7 +253,8 @@ async def save_weights(request: Request, t: str = Tenant, ts: TinkerStore = Tk) 
     return queue(ts, t, req.model_id, req.seq_id, "save_weights", {"name": name})
 
 
-@router.post("/save_weights_for_sampler")
+@api.post("/save_weights_for_sampler",
+          openapi_extra=json_body(models.SaveWeightsForSamplerRequest, path=NAME, ttl_seconds=TTL))
 async def save_for_sampler(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
     req = await wire.body(request, models.SaveWeightsForSamplerRequest)
     name = None if req.path is None else wire.checkpoint_name(req.path)
@@ -255,7 +265,7 @@ async def save_for_sampler(request: Request, t: str = Tenant, ts: TinkerStore = 
     return queue(ts, t, req.model_id, req.seq_id, "save_weights_for_sampler", {"name": name})
 
 
-@router.post("/load_weights")
+@api.post("/load_weights", openapi_extra=json_body(models.LoadWeightsRequest, path=STATE_PATH))
 async def load_weights(request: Request, t: str = Tenant, svc: Service = Svc, ts: TinkerStore = Tk) -> dict:
     """load_state into a model, or (no model_id: ServiceClient.create_training_client_from_state*) a
     new model of the session with the checkpoint's LoRA config, whose id is the one the SDK derives
@@ -290,7 +300,7 @@ def resolve_sampler(svc: Service, ts: TinkerStore, t: str, model_path: str | Non
     return check_base(svc, base_model), None, None
 
 
-@router.post("/create_sampling_session")
+@api.post("/create_sampling_session", openapi_extra=json_body(models.CreateSamplingSessionRequest))
 async def create_sampling_session(request: Request, t: str = Tenant, svc: Service = Svc,
                                   ts: TinkerStore = Tk) -> dict:
     req = await wire.body(request, models.CreateSamplingSessionRequest)
@@ -299,13 +309,13 @@ async def create_sampling_session(request: Request, t: str = Tenant, svc: Servic
     return {"type": "create_sampling_session", "sampling_session_id": sid}
 
 
-@router.get("/samplers/{sid}")
+@api.get("/samplers/{sid}")
 def get_sampler(sid: str, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
     s = ts.sampler(t, sid)
     return {"sampler_id": sid, "base_model": s["base"], "model_path": s["model_path"]}
 
 
-@router.post("/asample")
+@api.post("/asample", openapi_extra=json_body(models.SampleRequest))
 async def asample(request: Request, t: str = Tenant, svc: Service = Svc, ts: TinkerStore = Tk) -> dict:
     req = await wire.body(request, models.SampleRequest)
     if req.sampling_session_id:
@@ -330,14 +340,14 @@ async def asample(request: Request, t: str = Tenant, svc: Service = Svc, ts: Tin
 
 
 # ---------------------------------------------------------------- futures
-@router.post("/retrieve_future")
+@api.post("/retrieve_future", openapi_extra=json_body(models.FutureRetrieveRequest))
 async def retrieve_future(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> Response:
     rid = (await wire.body(request, models.FutureRetrieveRequest)).request_id
     f = await futures.wait(ts, t, rid)
     return futures.response(f, rid, proto=wire.PROTO in request.headers.get("accept", ""))
 
 
-@router.post("/cancel_future")
+@api.post("/cancel_future", openapi_extra=json_body(models.CancelFutureRequest))
 async def cancel_future(request: Request, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
     """Queued work is removed (its future fails 'cancelled'); work already running runs to its end."""
     rid = (await wire.body(request, models.CancelFutureRequest)).request_id
@@ -345,22 +355,28 @@ async def cancel_future(request: Request, t: str = Tenant, ts: TinkerStore = Tk)
 
 
 # ---------------------------------------------------------------- checkpoints
-@router.get("/training_runs/{mid}/checkpoints")
+class TtlIn(BaseModel):
+    """The body of a checkpoint's TTL (its schema; the route checks the body itself, `wire.ttl`)."""
+
+    ttl_seconds: int | None = Field(None, ge=1, le=wire.MAX_TTL_S)
+
+
+@api.get("/training_runs/{mid}/checkpoints")
 def list_checkpoints(mid: str, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
     return checkpoints.listing(ts, t, mid)
 
 
-@router.delete("/training_runs/{mid}/checkpoints/{kind}/{name}")
+@api.delete("/training_runs/{mid}/checkpoints/{kind}/{name}")
 def delete_checkpoint(mid: str, kind: str, name: str, t: str = Tenant, ts: TinkerStore = Tk) -> dict:
     """RestClient.delete_checkpoint: the checkpoint is gone and its bytes freed."""
     ts.delete_checkpoint(t, mid, f"{kind}/{name}")
     return {}
 
 
-@router.put("/training_runs/{mid}/checkpoints/{kind}/{name}/ttl")
+@api.put("/training_runs/{mid}/checkpoints/{kind}/{name}/ttl", openapi_extra=json_body(TtlIn))
 async def checkpoint_ttl(mid: str, kind: str, name: str, request: Request, t: str = Tenant,
                          ts: TinkerStore = Tk) -> dict:
-    """RestClient.set_checkpoint_ttl_from_tinker_path ({"ttl_seconds": n | null})."""
+    """RestClient.set_checkpoint_ttl_from_tinker_path ({"ttl_seconds": n | null}; null: never expires)."""
     body = await wire.body_json(request)
     ttl = body.get("ttl_seconds")
     if ttl is not None and not isinstance(ttl, int):
@@ -369,7 +385,7 @@ async def checkpoint_ttl(mid: str, kind: str, name: str, request: Request, t: st
     return {}
 
 
-@router.get("/training_runs/{mid}/checkpoints/{kind}/{name}/archive",
+@api.get("/training_runs/{mid}/checkpoints/{kind}/{name}/archive",
             responses={200: {"content": {"application/gzip": {}}}})
 def archive(mid: str, kind: str, name: str, t: str = Tenant, svc: Service = Svc, ts: TinkerStore = Tk) -> Response:
     """A checkpoint's LoRA adapter as a tar.gz of a PEFT directory (adapter_config.json +
@@ -379,10 +395,16 @@ def archive(mid: str, kind: str, name: str, t: str = Tenant, svc: Service = Svc,
                     headers={"Content-Disposition": f'attachment; filename="{mid}-{kind}-{name}.tar.gz"'})
 
 
+router.include_router(api)
+
+
 # ---------------------------------------------------------------- everything else: one clear line
 @router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
 def unsupported(rest: str, request: Request, t: str = Tenant) -> dict:
     """A Tinker call this server does not serve (publish, copy_weights, save_weights_external, ...):
-    404 at once with what it was (the SDK raises NotFoundError), never a hang or a bare 'Not Found'."""
+    404 at once with what it was (the SDK raises NotFoundError), never a hang or a bare 'Not Found';
+    a served path with another method is 405 naming the methods it allows."""
+    if allowed := allowed_methods(request):
+        raise StarletteHTTPException(405, headers={"Allow": ", ".join(allowed)})
     raise NotFound(f"{request.method} /api/v1/{rest} is not served by marlaas (docs/tinker.md lists the "
                    "supported Tinker calls)")

@@ -12,11 +12,13 @@ from fastapi import APIRouter, Depends
 from marlaas.api.access import Principal
 from marlaas.api.deps import Caller, service
 from marlaas.api.models import VerifierIn
+from marlaas.api.responses import AUTHENTICATED, Declared, errors
 from marlaas.api.service import Service
 from marlaas.errors import Forbidden, NotFound, SpecError, VerifierError
 from marlaas.verify import boundary
 
-router = APIRouter(prefix="/v1/verifiers", tags=["verifiers"])
+router = APIRouter(prefix="/v1/verifiers", tags=["verifiers"], route_class=Declared,
+                   responses=errors(*AUTHENTICATED))
 
 
 @router.get("")
@@ -28,7 +30,7 @@ def list_verifiers(p: Principal = Caller, svc: Service = Depends(service)) -> di
     return {"verifiers": [{"name": k} for k in sorted(reg)]}
 
 
-@router.put("/{name}")
+@router.put("/{name}", responses=errors(403))
 def register(name: str, body: VerifierIn, p: Principal = Caller, svc: Service = Depends(service)) -> dict:
     """Register (or replace) a verifier name (operator only)."""
     if not p.operator:
@@ -40,7 +42,7 @@ def register(name: str, body: VerifierIn, p: Principal = Caller, svc: Service = 
     return {"name": name, "path": body.path}
 
 
-@router.delete("/{name}")
+@router.delete("/{name}", responses=errors(403, 404))
 def unregister(name: str, p: Principal = Caller, svc: Service = Depends(service)) -> dict:
     """Remove a registered verifier name (operator only)."""
     if not p.operator:
