@@ -26,7 +26,7 @@ from marlaas.api.deps import loopback
 from marlaas.api.middleware import BodyLimit, install_error_handlers
 from marlaas.api.ratelimit import PlanLimiter, RateLimiter
 from marlaas.api.responses import allowed_methods, bound_integers
-from marlaas.api.routes import files, graders, health, jobs, openai, tenants, tinker, verifiers
+from marlaas.api.routes import aliases, files, graders, health, jobs, openai, tenants, tinker, verifiers
 from marlaas.api.service import Service
 from marlaas.api.settings import ApiSettings
 from marlaas.errors import MarlaasError
@@ -53,7 +53,8 @@ def create_app(store_url: str | None = None, home: Path | None = None, *, open: 
     keep_http_headers(app)
     openapi = app.openapi
     app.openapi = lambda: bound_integers(openapi())  # type: ignore[method-assign]  # the body check's 64 bits
-    for module in (health, jobs, files, tenants, graders, verifiers, tinker, openai):  # tinker, openai: other wires
+    # tinker, openai: other wires
+    for module in (health, jobs, files, tenants, graders, verifiers, aliases, tinker, openai):
         app.include_router(module.router)
     return app
 

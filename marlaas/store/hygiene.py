@@ -25,6 +25,7 @@ from marlaas.store.keys import (
     TENANTS,
     TOKENS,
     adapter_key,
+    aliases_key,
     ckpt_key,
     eval_key,
     files_key,
@@ -125,7 +126,7 @@ class HygieneOps:
             p.hdel(TOKENS, json.loads(rec)["token_sha256"])
         p.hdel(TENANTS, name)
         p.delete(tenant_key(name), tenant_active_key(name), stored_key(tenant_part(name)),
-                 files_key(tenant_part(name)))
+                 files_key(tenant_part(name)), aliases_key(tenant_part(name)))
         p.execute()
         freed += self.drop_prefix(f"t/{tenant_part(name)}/")
         self.r.delete(stored_key(tenant_part(name)))

@@ -146,6 +146,11 @@ def sampler_key(s: str) -> str:
 
 
 # ---- serving
+def aliases_key(t: str) -> str:
+    """Hash of the tenant's model aliases (OpenAI door): alias -> the model name it stands for."""
+    return f"{P}tenant:{t}:aliases"
+
+
 def best_key(j: str) -> str:
     """Hash of the job's promotion: `x:{v}` -> held-out exact of evaluated version v, `auto` (the best
     of them, ties: the later version), `pinned` (a version the tenant promoted by hand)."""

@@ -5,6 +5,8 @@ Key (marlaas/store/keys.py, `# ---- serving`):
   m:job:{j}:best                hash: x:{v} -> held-out `exact` of evaluated version v; auto -> the
                                 evaluated version with the highest exact (ties: the later version);
                                 pinned -> the version the tenant promoted by hand (absent: none)
+  m:tenant:{t}:aliases          hash: alias -> the model name it stands for (resolved at each request,
+                                so `prod -> j12@best` follows the promotion); at most MAX_ALIASES
 
 Invariants:
 - `@best` is `pinned` when set, else `auto`. Both move in single Lua scripts, so an evaluation written
@@ -22,9 +24,20 @@ from __future__ import annotations
 import json
 
 from marlaas.errors import Conflict, NotFound
-from marlaas.store.keys import LEASES, adapter_key, best_key, eval_key, evals_key
+from marlaas.store.keys import LEASES, adapter_key, aliases_key, best_key, eval_key, evals_key
 from marlaas.store.tinker import PENDING_SAMPLE
 from marlaas.types import ItemKind, WorkItem
+
+MAX_ALIASES = 64
+
+# KEYS: aliases ; ARGV: name, model, max. 1 when set, 0 when a new name would pass the max
+SET_ALIAS = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 and redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[3]) then
+  return 0
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
 
 # KEYS: evals, eval rollout, leases, best ; ARGV: version, result JSON, lease name, exact ('' = none)
 PUT_EVAL = """
@@ -105,6 +118,24 @@ class ServingOps:
     def unpin_best(self, jid: str) -> None:
         """Drop the pin: `@best` follows the evaluations again."""
         self.r.hdel(best_key(jid), "pinned")
+
+    # ------------------------------------------------------------ aliases (tenant-defined model names)
+    def set_alias(self, tenant: str, name: str, model: str) -> None:
+        """Point the tenant's alias `name` at `model` (a model name: validated by the caller); Conflict
+        past MAX_ALIASES aliases (replacing one is always allowed)."""
+        if self._script("_set_alias", SET_ALIAS)(keys=[aliases_key(tenant)],
+                                                  args=[name, model, MAX_ALIASES]) == 0:
+            raise Conflict(f"at most {MAX_ALIASES} aliases per tenant: delete one first")
+
+    def alias(self, tenant: str, name: str) -> str | None:
+        raw = self.r.hget(aliases_key(tenant), name)
+        return raw.decode() if raw is not None else None
+
+    def aliases(self, tenant: str) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in sorted(self.r.hgetall(aliases_key(tenant)).items())}
+
+    def drop_alias(self, tenant: str, name: str) -> bool:
+        return bool(self.r.hdel(aliases_key(tenant), name))
 
     def requeue_samples(self, rids: list[str]) -> None:
         """Put sample requests a generate batch had no room for back at the FRONT of the sample queue,

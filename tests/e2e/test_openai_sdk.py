@@ -185,3 +185,35 @@ def test_the_plan_bounds_serving_requests_and_tokens_per_minute(trained):
     client.completions.create(model=base, prompt="max of 1 2?", max_tokens=8)  # the 2nd request: 24 tokens
     with pytest.raises(openai.RateLimitError, match="serve_requests_per_minute"):
         client.completions.create(model=base, prompt="max of 1 2?", max_tokens=1)
+
+
+def test_an_alias_stands_for_a_model_of_its_tenant_only(trained):
+    """`PUT /v1/aliases/prod {"model": "JOB@best"}`: the SDK calls `prod` and samples exactly the
+    adapter `JOB@best` names (same sha256, same greedy text); /v1/models lists it; another tenant's
+    `prod` is not this one; a bad alias, an alias of an alias and another tenant's model are refused."""
+    url, token, other, jid = trained
+    client = _client(url, token)
+    with httpx.Client(base_url=url + "/v1", headers={"Authorization": f"Bearer {token}"}, timeout=60) as h:
+        r = h.put("/aliases/prod", json={"model": f"{jid}@best"})
+        assert r.status_code == 200 and r.json()["model"] == f"{jid}@best", r.text
+        assert h.get("/aliases").json() == {"aliases": {"prod": f"{jid}@best"}}
+        for bad, why in (("j7", "not a job id"), ("9x", "a letter")):
+            assert why in h.put(f"/aliases/{bad}", json={"model": jid}).json()["error"]["message"]
+        assert "another alias" in h.put("/aliases/prod2", json={"model": "prod"}).json()["error"]["message"]
+        msg = [{"role": "user", "content": "max of 3 9 4?"}]
+        via = client.chat.completions.with_raw_response.create(model="prod", messages=msg, temperature=0,
+                                                                max_tokens=8)
+        best = client.chat.completions.with_raw_response.create(model=f"{jid}@best", messages=msg, temperature=0,
+                                                                 max_tokens=8)
+        assert via.headers["x-marlaas-adapter-sha256"] == best.headers["x-marlaas-adapter-sha256"]
+        assert via.parse().choices[0].message.content == best.parse().choices[0].message.content
+        assert via.parse().model == "prod" and "prod" in [m.id for m in client.models.list()]
+        stranger = _client(url, other)
+        with pytest.raises(openai.NotFoundError):
+            stranger.chat.completions.create(model="prod", messages=msg, max_tokens=2)
+        with httpx.Client(base_url=url + "/v1", headers={"Authorization": f"Bearer {other}"}, timeout=60) as o:
+            assert o.put("/aliases/mine", json={"model": jid}).status_code == 404  # another tenant's job
+        assert h.delete("/aliases/prod").json() == {"alias": "prod", "deleted": True}
+        assert h.delete("/aliases/prod").status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="prod", messages=msg, max_tokens=2)

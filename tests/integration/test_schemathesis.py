@@ -43,6 +43,7 @@ REFUSED_VALID: dict[str, list[int]] = {
     "POST /api/v1/create_model": [422],
     "POST /api/v1/create_sampling_session": [422],
     "POST /api/v1/asample": [422],
+    "PUT /v1/aliases/{name}": [422],  # the alias's model is resolved when it is set; also its name's rules
     # Checked beyond what JSON Schema says: a job spec's rules across its fields, a file's bytes that must
     # be a JSONL or parquet dataset, a grader's templates and program.
     "POST /v1/jobs": [422],

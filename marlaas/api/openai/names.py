@@ -8,7 +8,10 @@ Names (docs/serving.md):
 - `JOB`: the job's latest published version; `JOB/V`: version V while it is stored (`JOB/0` is the
   base); `JOB@best`: the job's promoted version (`Store.best_version`: pinned, else the evaluated
   version with the highest held-out exact);
-- `tinker://MODEL/sampler_weights/NAME`: a Tinker sampler snapshot, resolved as the Tinker door does.
+- `tinker://MODEL/sampler_weights/NAME`: a Tinker sampler snapshot, resolved as the Tinker door does;
+- a tenant's alias (`PUT /v1/aliases/NAME {"model": ...}`): stands for any name above, resolved at each
+  request (`prod -> j12@best` follows the promotion). An alias is a plain name that is no job id
+  (`j` + digits) and no base name; its target is checked when it is set and is never an alias itself.
 
 Invariants: `parse` is pure (plain strings in, a ModelName out); `resolve` reads only through the
 access policy (`marlaas.api.access.job`) and `TinkerStore`'s tenant-checked reads, so another tenant's
@@ -24,10 +27,13 @@ from pathlib import Path
 from marlaas.api import access
 from marlaas.errors import NotFound, SpecError
 from marlaas.store import Store
+from marlaas.store.blobs import tenant_part
 from marlaas.store.tinker import TinkerStore, parse_path
 from marlaas.types import AdapterRef
 
 JOB_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+ALIAS = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
+RESERVED = re.compile(r"^j[0-9]+$")  # job ids: an alias never shadows one
 BEST = "best"
 
 
@@ -93,12 +99,28 @@ def _stored(store: Store, name: str, jid: str, v: int) -> AdapterRef | None:
     return AdapterRef(jid, v)
 
 
-def resolve(store: Store, ts: TinkerStore, tenant: str | None, name: str) -> Target:
-    """The adapter version `name` names for a caller of `tenant` (None: any tenant's)."""
+def check_alias(store: Store, ts: TinkerStore, tenant: str | None, alias: str, model: str) -> Target:
+    """Whether `alias` may stand for `model` for this tenant (SpecError naming why); the target it
+    resolves to now (NotFound when the model does not resolve)."""
+    if not isinstance(alias, str) or not ALIAS.match(alias) or RESERVED.match(alias):
+        raise SpecError(f"invalid alias {str(alias)[:80]!r}: a letter, then up to 63 letters, digits, '_', "
+                        "'.' or '-', and not a job id (j + digits)")
+    if alias in base_names(store.deployment()):
+        raise SpecError(f"invalid alias {alias!r}: it is the base model's name")
+    if store.alias(tenant_part(tenant), model) is not None:
+        raise SpecError(f"the alias {alias!r} cannot stand for another alias ({model!r}): name its model")
+    return resolve(store, ts, tenant, model, aliases=False)
+
+
+def resolve(store: Store, ts: TinkerStore, tenant: str | None, name: str, aliases: bool = True) -> Target:
+    """The adapter version `name` names for a caller of `tenant` (None: any tenant's); with `aliases`,
+    the tenant's alias of that name first."""
     base = base_names(store.deployment())
     if not base:
         raise SpecError("this deployment has no base model registered yet (start a generate worker first)")
     m = parse(name, base)
+    if aliases and m.kind == "job" and (target := store.alias(tenant_part(tenant), name)) is not None:
+        return Target(name, resolve(store, ts, tenant, target, aliases=False).ref)
     if m.kind == "base":
         return Target(base[0], None)
     if m.kind == "tinker":
@@ -130,7 +152,7 @@ def resolve(store: Store, ts: TinkerStore, tenant: str | None, name: str) -> Tar
 
 def listing(store: Store, tenant: str | None) -> list[dict]:
     """What the caller may call, as OpenAI model objects: the base, each of its jobs with a trained
-    version (`JOB`), and `JOB@best` where the job has one."""
+    version (`JOB`), `JOB@best` where the job has one, and its aliases."""
     dep = store.deployment()
     base = base_names(dep)
     out = [{"id": base[0], "object": "model", "created": 0, "owned_by": "marlaas"}] if base else []
@@ -142,4 +164,6 @@ def listing(store: Store, tenant: str | None) -> list[dict]:
         if store.best_version(jid) is not None:
             out.append({"id": f"{jid}@{BEST}", "object": "model", "created": int(rec.created),
                         "owned_by": rec.tenant})
+    for alias in store.aliases(tenant_part(tenant)):
+        out.append({"id": alias, "object": "model", "created": 0, "owned_by": tenant or "marlaas"})
     return out
