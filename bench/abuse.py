@@ -25,6 +25,56 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 SORT = {"task": "sort", "prompts_per_step": 2, "group_size": 4, "eval_size": 4, "eval_k": 0, "max_staleness": 1}
+LEASE_S = 60
+
+
+def make_stack(prefix: str = "marlaas-bench-abuse-", lease_s: int = LEASE_S, flower: bool = True):
+    """This bench's private stack, not started yet: (home, API URL, Flower port or None, Stack). Points
+    this process at a fresh MARLAAS_HOME (one thread, this interpreter's tools on PATH) and builds the
+    tiny test base there; every port is free and on 127.0.0.1, the API needs a tenant token."""
+    home = Path(tempfile.mkdtemp(prefix=prefix))
+    os.environ["MARLAAS_HOME"] = str(home)
+    os.environ.pop("MARLAAS_REDIS_URL", None)
+    os.environ["MARLAAS_THREADS"] = "1"
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+    from marlaas.base.pretrain import ensure_base
+    from marlaas.ops.embedded import Stack, free_port
+
+    base = ensure_base(home / "base-test", preset="test", seed=0, progress=False, threads=1)
+    api_port, flower_port = free_port(), (free_port() if flower else None)
+    env = {"MARLAAS_BASE": str(base), "MARLAAS_ENGINE": "hf", "MARLAAS_LEASE_S": str(lease_s),
+           "MARLAAS_API_PORT": str(api_port), "MARLAAS_API_OPEN": "0", "MARLAAS_API_RATE": "20",
+           "MARLAAS_API_BURST": "40"}
+    if flower:
+        env["MARLAAS_FLOWER_PORT"] = str(flower_port)
+    return home, f"http://127.0.0.1:{api_port}", flower_port, Stack(log_dir=home / "logs", env=env)
+
+
+def start_stack(stack, api: str, flower: bool = True):
+    """Start the stack's processes (Redis, the API, control, generate, verify, train, beat, and Flower
+    when asked), wait for its workers and its API; returns its Store. The caller stops the stack."""
+    from marlaas.ops.embedded import wait_for_api, wait_for_workers
+    from marlaas.store import Store
+
+    stack.start("redis", "api", "control", "generate", "verify", "train", "beat", *(["flower"] if flower else []))
+    store = Store(stack.url)
+    wait_for_workers(store, timeout=240)
+    wait_for_api(api)
+    return store
+
+
+def two_tenants(store, api: str) -> dict:
+    """Registers the tenants victim and attacker with equal (default) plans: {name: (token, httpx.Client)}."""
+    import httpx
+
+    from marlaas.api.tenancy import Quotas, add_tenant
+
+    out = {}
+    for name in ("victim", "attacker"):
+        tok = add_tenant(store, name, Quotas())
+        out[name] = (tok, httpx.Client(base_url=api, headers={"Authorization": f"Bearer {tok}"}, timeout=60))
+    return out
 
 
 def steps_per_min(metrics: list[dict], t0: float, t1: float) -> float:
@@ -38,28 +88,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("results/abuse.json"))
     a = ap.parse_args()
 
-    home = Path(tempfile.mkdtemp(prefix="marlaas-bench-abuse-"))
-    os.environ["MARLAAS_HOME"] = str(home)
-    os.environ.pop("MARLAAS_REDIS_URL", None)
-    os.environ["MARLAAS_THREADS"] = "1"
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    lease_s = 60
+    lease_s = LEASE_S
+    home, api, flower_port, stack = make_stack("marlaas-bench-abuse-", lease_s)
 
     import httpx
     import redis
 
-    from marlaas.api.tenancy import Quotas, add_tenant
-    from marlaas.base.pretrain import ensure_base
-    from marlaas.ops.embedded import Stack, free_port, wait_for_api, wait_for_workers
-    from marlaas.store import Store
-
-    base = ensure_base(home / "base-test", preset="test", seed=0, progress=False, threads=1)
-    api_port, flower_port = free_port(), free_port()
-    api = f"http://127.0.0.1:{api_port}"
-    stack = Stack(log_dir=home / "logs", env={
-        "MARLAAS_BASE": str(base), "MARLAAS_ENGINE": "hf", "MARLAAS_LEASE_S": str(lease_s),
-        "MARLAAS_API_PORT": str(api_port), "MARLAAS_API_OPEN": "0", "MARLAAS_API_RATE": "20",
-        "MARLAAS_API_BURST": "40", "MARLAAS_FLOWER_PORT": str(flower_port)})
     attacks: list[dict] = []
 
     def record(name: str, outcome: str, evidence, ok: bool) -> None:
@@ -67,14 +101,9 @@ def main() -> None:
         print(f"{'ok ' if ok else 'BAD'} {name}: {outcome} ({evidence})", flush=True)
 
     try:
-        stack.start("redis", "api", "control", "generate", "verify", "train", "beat", "flower")
-        store = Store(stack.url)
-        wait_for_workers(store, timeout=240)
-        wait_for_api(api)
-        victim_tok = add_tenant(store, "victim", Quotas())
-        attacker_tok = add_tenant(store, "attacker", Quotas())
-        victim = httpx.Client(base_url=api, headers={"Authorization": f"Bearer {victim_tok}"}, timeout=60)
-        attacker = httpx.Client(base_url=api, headers={"Authorization": f"Bearer {attacker_tok}"}, timeout=60)
+        store = start_stack(stack, api)
+        tenants = two_tenants(store, api)
+        victim, attacker = tenants["victim"][1], tenants["attacker"][1]
         vjob = victim.post("/v1/jobs", json={**SORT, "steps": 10_000, "seed": 1}).raise_for_status().json()["id"]
         t_start = time.time()
         time.sleep(a.window_s)
