@@ -39,17 +39,23 @@ def dispatch() -> int:
 
 
 @app.task(name="marlaas.tinker_train", ignore_result=True)
-def tinker_train(model_id: str, token: str) -> dict:
-    """One step of a Tinker model on the trainer lane (its queued ops up to and including the next
-    optim_step), under the lease the tick took for it; then the lane is free and the model goes back
-    to the candidates if ops remain."""
-    from marlaas.train.tinker_ops import TinkerTrainer
-    from tasks.train import engine, tick_here, trainer_lane
+def tinker_train(model_id: str, token: str, weight: float = 1.0) -> dict:
+    """One grant of the trainer lane to a Tinker model (its queued ops up to and including the next
+    optim_step, or GRANT_TOKENS tokens of forward passes), under the lease the tick took for it; the
+    grant's time beyond one job step is then charged to the model's pass (`weight`: its lane weight),
+    the lane is free and the model goes back to the candidates if ops remain."""
+    from marlaas.control.scheduler import grant_extra_charge
+    from marlaas.train.tinker_ops import GRANT_TOKENS, TinkerTrainer
+    from tasks.train import engine, step_seconds, tick_here, trainer_lane
 
     ts = tinker_store()
     try:
         with trainer_lane(token), station_event("train", [model_id], tinker=True):
-            n = TinkerTrainer(ts, engine()).run_queue(model_id, until_step=True)
+            t0 = time.monotonic()
+            try:
+                n = TinkerTrainer(ts, engine()).run_queue(model_id, until_step=True, max_tokens=GRANT_TOKENS)
+            finally:
+                store().charge_lane(model_id, grant_extra_charge(time.monotonic() - t0, step_seconds(), weight))
     finally:
         if ts.queue_length(model_id):
             ts.mark_pending(model_id)

@@ -16,6 +16,7 @@ or that the tick has since given to another task (another token), changes nothin
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -27,6 +28,17 @@ from tasks.common import base_dir, kick, send, station_event, store, tick_config
 
 log = logging.getLogger("marlaas.train")
 _engine = None
+_step_s: list[float] = []  # the running mean of this trainer's job steps (seconds), one value
+
+
+def step_seconds() -> float | None:
+    """What a job step takes on this trainer lately (an exponential mean over its steps; None before
+    the first): the unit Tinker grants are charged in (`tasks.tinker.tinker_train`)."""
+    return _step_s[0] if _step_s else None
+
+
+def _record_step(seconds: float) -> None:
+    _step_s[:] = [seconds if not _step_s else 0.8 * _step_s[0] + 0.2 * seconds]
 
 
 def engine():
@@ -66,7 +78,10 @@ def train(job_id: str, version: int, token: str) -> dict:
     try:
         try:
             with trainer_lane(token), station_event("train", [job_id], version=version):
+                t0 = time.monotonic()
                 out = station.run_train(store(), engine(), job_id, version, token)
+                if not out.get("skipped"):
+                    _record_step(time.monotonic() - t0)
         except Exception as e:
             # The lane is already free (other tenants go on); a job that keeps failing is stopped.
             store().count_failure(job_id, "train", e)

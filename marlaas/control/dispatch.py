@@ -288,7 +288,7 @@ def apply(store: Store, plan: scheduler.Plan, send: Send, config: TickConfig = T
     messages += _verify_messages(plan.verify)
     if token is not None and plan.tinker is not None:
         TinkerStore(store).take_model(plan.tinker)  # back among the candidates when its task ends with ops left
-        messages.append(("marlaas.tinker_train", [plan.tinker, token]))
+        messages.append(("marlaas.tinker_train", [plan.tinker, token, plan.lane_weight]))
     elif token is not None and plan.train is not None:
         messages.append(("marlaas.train", [plan.train[0], plan.train[1], token]))
     if messages:

@@ -25,7 +25,9 @@ grows by 1 / weight. Over any window a job with weight w gets a share w / sum(w)
 (among jobs that are ready), within one step. Tinker models with queued training ops
 (`Snapshot.tinker`) compete for the same lane under the same rule: `choose_trainer` takes the first
 of the ready jobs and models in `trainer_order`, and the plan says which (`Plan.train` or
-`Plan.tinker`, never both) with the lane weight to charge. A plan is frozen: the tick carries it out
+`Plan.tinker`, never both) with the lane weight to charge. A model's grant is charged one step when
+granted and, when it ends, its time beyond one job step (`grant_extra_charge`), so a model's long ops
+cost it turns in proportion to the lane time they took. A plan is frozen: the tick carries it out
 as decided.
 
 Station pools per tenant (`pool_share`, `may_take_slot`): the verify pool's processes are shared
@@ -180,6 +182,17 @@ def choose_trainer(jobs: tuple[JobState, ...] | list[JobState],
     if not ready:
         return None
     return min(ready, key=trainer_order)
+
+
+def grant_extra_charge(seconds: float, step_seconds: float | None, weight: float) -> float:
+    """The pass a Tinker grant owes beyond the one step the tick charged when it granted the lane:
+    grants are charged by time in units of a job step (`step_seconds`, what the trainer's job steps
+    take lately), so a model whose ops hold the lane for 10 steps' time pays 10 steps. Nothing extra
+    without a measure of a job step (no job trains: nobody to be fair to) or for a grant shorter than
+    one step."""
+    if not step_seconds or step_seconds <= 0 or weight <= 0:
+        return 0.0
+    return max(0.0, seconds / step_seconds - 1.0) / weight
 
 
 @lru_cache(maxsize=65536)

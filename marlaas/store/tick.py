@@ -188,6 +188,12 @@ class TickOps:
         old = p.execute()[0]
         self.r.set(VT, old or b"0")
 
+    def charge_lane(self, lane_id: str, amount: float) -> None:
+        """Add `amount` to a Tinker model's trainer-lane pass (what its grant owed beyond one step:
+        `scheduler.grant_extra_charge`)."""
+        if amount > 0:
+            self.r.hincrbyfloat(job_key(lane_id), "pass", amount)
+
     def lane_passes(self, ids: list[str]) -> dict[str, float]:
         """The trainer-lane pass of each id (a Tinker model: the pass the tick charges it, kept under
         its id like a job's); one never charged starts at the virtual time."""

@@ -12,11 +12,13 @@ Public API, shaped like Tinker's primitives; the job RL step (`marlaas.train.ste
 - `optim_step(key, AdamParams)`: optional global-norm clip, one AdamW step with the given
   hyperparameters (skipped when the clipped norm is NaN/inf), gradients cleared.
 - `state(key) -> TrainState`, `adapter_blob`, `optimizer_bytes`, `evict`, `cached`, `set_version`,
-  `completion_logprobs`, `parameters`.
+  `completion_logprobs`, `parameters`; `pin(key)` / `unpin(key)`: a pinned key is never evicted to
+  make room (a Tinker model holding gradients between its forward_backward and its optim_step).
 
 One `PeftModel` wraps the base; each key is its own named adapter in it (keys are mapped to safe
 adapter names: PEFT forbids '.' in them). Adapters and optimisers live in an LRU cache of
-`cache_size` keys; an evicted key is rebuilt by its caller from a `TrainState`.
+`cache_size` keys (pinned keys are skipped when making room, so the cache may hold more while they
+are pinned); an evicted key is rebuilt by its caller from a `TrainState`.
 
 Invariants:
 - The base weights never change: only the adapters being trained require grad (`set_adapter()`
@@ -93,6 +95,7 @@ class TrainingEngine:
         self.base.requires_grad_(False)
         self.model = None  # the PeftModel, created with the first adapter
         self._jobs: OrderedDict[str, _Entry] = OrderedDict()
+        self._pinned: set[str] = set()
         self._serial = 0
         self._prompt_ids: dict[str, list[int]] = {}
 
@@ -110,8 +113,16 @@ class TrainingEngine:
         """A cached adapter's LoRA parameters, in module order (the ones its optimiser steps)."""
         return list(self._entry(key).params)
 
+    def pin(self, key: str) -> None:
+        """Keep `key` cached while others come and go (until `unpin` or an explicit `evict`)."""
+        self._pinned.add(key)
+
+    def unpin(self, key: str) -> None:
+        self._pinned.discard(key)
+
     def evict(self, key: str) -> None:
-        """Drop an adapter and its optimiser from the cache (no-op if absent)."""
+        """Drop an adapter and its optimiser from the cache (no-op if absent); it is unpinned."""
+        self._pinned.discard(key)
         entry = self._jobs.pop(key, None)
         if entry is not None:
             self._delete(entry.name)
@@ -196,7 +207,10 @@ class TrainingEngine:
             self._delete(old.name)
         self._jobs[key] = _Entry(name=name, version=version, keys=keys, params=params, optimizer=optimizer)
         while len(self._jobs) > self.cache_size:
-            self.evict(next(iter(self._jobs)))
+            victim = next((k for k in self._jobs if k not in self._pinned and k != key), None)
+            if victim is None:
+                break  # all pinned: the cache holds more for now
+            self.evict(victim)
 
     def _adapter_params(self, name: str) -> tuple[list[str], list[torch.nn.Parameter]]:
         # Keys in PEFT's saved format (adapter name removed), in module order: stable across processes.

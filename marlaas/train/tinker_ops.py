@@ -11,8 +11,11 @@ clip), then weights + optimizer are persisted (`TinkerStore.put_live`), so any t
 continues from the last step. Invariants and limits:
 - Ops of one model run in seq_id order, one at a time (the single trainer process).
 - Gradients accumulated since the last optim_step live only in the trainer process: a trainer restart
-  or an eviction from the engine's cache between forward_backward and optim_step loses them (the
-  next optim_step then applies no update for them).
+  between forward_backward and optim_step loses them (the next optim_step then applies no update for
+  them). The engine's cache never evicts them to make room: the model is pinned from its
+  forward_backward to its optim_step (an op that fails evicts it, pinned or not).
+- One grant of the trainer lane runs the model's ops up to its next optim_step or GRANT_TOKENS tokens
+  of forward passes, whichever comes first (`run_queue(..., max_tokens=GRANT_TOKENS)`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,24 @@ from marlaas.train.engine import AdamParams, Forward, TrainSample, TrainState
 from marlaas.types import AdapterBlob
 
 log = logging.getLogger("marlaas.tinker")
+
+
+GRANT_TOKENS = 16_384
+"""Tokens of forward passes one grant of the trainer lane runs for a Tinker model (then the lane goes
+back to the weighted round-robin): about one job step's training work (a plan's max_tokens_per_step
+is 65,536 generated tokens per step; a job step trains on its prompts and completions)."""
+
+
+def op_tokens(kind: str, body: dict) -> int:
+    """Tokens an op runs through the model: its datums' for forward / forward_backward, else 0."""
+    if kind not in ("forward", "forward_backward"):
+        return 0
+    return sum(len(d.get("tokens") or ()) for d in body.get("data") or ())
+
+
+def grant_over(kind: str, tokens: int, until_step: bool, max_tokens: int | None) -> bool:
+    """Whether a grant ends after an op of `kind`, `tokens` run so far in it."""
+    return (until_step and kind == "optim_step") or (max_tokens is not None and tokens >= max_tokens)
 
 
 def _leaf_names(model) -> set[str]:
@@ -76,10 +97,14 @@ class TinkerTrainer:
         return self.engine.adapter_blob(mid), self.engine.optimizer_bytes(mid)
 
     # ---------------------------------------------------------------- ops
-    def run_queue(self, mid: str, until_step: bool = False) -> int:
-        """Run the queued ops of model `mid` in seq order (with `until_step`, up to and including the
-        next optim_step: one trainer step); returns how many ran."""
-        n = 0
+    def run_queue(self, mid: str, until_step: bool = False, max_tokens: int | None = None) -> int:
+        """Run the queued ops of model `mid` in seq order; returns how many ran. With `until_step`, up
+        to and including the next optim_step (one trainer step); with `max_tokens`, also stop after the
+        op that brings the tokens of the forward passes run here to `max_tokens` or more (`grant_over`):
+        one grant of the trainer lane, so a model with many large forward_backwards queued and no
+        optim_step yields the lane between them. Gradients accumulated across grants stay: the
+        model is pinned in the engine's cache from its forward_backward to its optim_step."""
+        n, tokens = 0, 0
         while (rid := self.ts.next_op(mid)) is not None:
             req = self.ts.request(rid)
             if req["status"] != "pending":
@@ -96,7 +121,8 @@ class TinkerTrainer:
             else:
                 self.ts.finish(rid, result)
             n += 1
-            if until_step and req["kind"] == "optim_step":
+            tokens += op_tokens(req["kind"], req["body"])
+            if grant_over(req["kind"], tokens, until_step, max_tokens):
                 break
         return n
 
@@ -143,7 +169,9 @@ class TinkerTrainer:
         return self._forward(mid, meta, body, backward=False)
 
     def op_forward_backward(self, mid: str, meta: dict, body: dict) -> dict:
-        return self._forward(mid, meta, body, backward=True)
+        out = self._forward(mid, meta, body, backward=True)
+        self.engine.pin(mid)  # its gradients wait for the optim_step, maybe across grants
+        return out
 
     def op_optim_step(self, mid: str, meta: dict, body: dict) -> dict:
         p = body["adam"]
@@ -153,6 +181,7 @@ class TinkerTrainer:
         if not (lr >= 0 and 0 <= b1 < 1 and 0 <= b2 < 1 and eps > 0 and wd >= 0):
             raise UserError(f"invalid Adam parameters {p}")
         out = self.engine.optim_step(mid, AdamParams(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, clip=clip))
+        self.engine.unpin(mid)
         metrics: dict[str, float] = {}
         if "grad_norm" in out:
             metrics["grad_norm:mean"] = out["grad_norm"]

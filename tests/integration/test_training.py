@@ -269,3 +269,27 @@ def test_forward_backward_accumulates_until_optim_step(engine):
     assert out["stepped"] and out["grad_norm"] > 0
     assert all(p.grad is None for p in engine.parameters("acc-a"))
     assert engine.optim_step("acc-a", AdamParams(lr=1e-2)) == {"stepped": False}  # nothing accumulated
+
+
+def test_a_pinned_adapter_keeps_its_gradients_while_others_come_and_go(random_base):
+    """A Tinker model between its forward_backward and its optim_step is pinned: job adapters passing
+    through a full cache never evict it (its accumulated gradients survive, the others make room);
+    unpinned, the least recently used goes first as before."""
+    small = TrainingEngine(random_base, threads=1, cache_size=2)
+    from marlaas.adapters import lora_config_from_spec
+
+    config = lora_config_from_spec(_spec().lora)
+    small.adapter("tk", config, seed=1)
+    small.forward_backward("tk", _samples(5, 2), lambda f: (sum(r.sum() for r in f.rows()), {}))
+    grads = [p.grad.clone() for p in small.parameters("tk") if p.grad is not None]
+    assert grads
+    small.pin("tk")
+    for k in ("a", "b", "c"):
+        small.adapter(k, config, seed=2)
+    assert set(small.cached()) == {"tk", "c"}  # a and b went, though tk was the least recently used
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, [p for p in small.parameters("tk")
+                                                                if p.grad is not None]))
+    small.unpin("tk")
+    for k in ("d", "e"):
+        small.adapter(k, config, seed=2)
+    assert set(small.cached()) == {"d", "e"}  # unpinned, it goes like any other
