@@ -465,3 +465,29 @@ def test_stored_bytes_are_visible_bounded_and_freed_by_deleting_a_job(two, st):
     r = c["op"].delete("/v1/tenants/alice")
     assert r.status_code == 200 and r.json()["tenant"] == "alice" and st.tenant("alice") is None
     err(c["alice"].get("/v1/usage"), 401, "Unauthorized")
+
+
+def test_event_streams_are_capped_per_tenant_and_freed_when_closed(two, st):
+    """A tenant holds at most its plan's max_event_streams open at once (429 with Retry-After past it,
+    pages as JSON still answer); closing one frees its place; another tenant's streams are its own."""
+    _, c, _ = two
+    rec = st.tenant("alice")
+    st.r.hset("m:tenants", "alice", json.dumps({**rec, "quotas": {**rec["quotas"], "max_event_streams": 2}}))
+    jid = c["alice"].post("/v1/jobs", json=SPEC).json()["id"]
+    sse = {"Accept": "text/event-stream"}
+    url = f"/v1/jobs/{jid}/events"
+    with c["alice"].stream("GET", url, headers=sse) as s1, c["alice"].stream("GET", url, headers=sse) as s2:
+        assert s1.status_code == s2.status_code == 200
+        third = c["alice"].get(url, headers=sse)
+        assert "max_event_streams" in err(third, 429, "RateLimited") and int(third.headers["retry-after"]) >= 1
+        assert c["alice"].get(url, headers={"Accept": "application/json"}).status_code == 200
+        bob_job = c["bob"].post("/v1/jobs", json=SPEC).json()["id"]
+        with c["bob"].stream("GET", f"/v1/jobs/{bob_job}/events", headers=sse) as b:
+            assert b.status_code == 200
+    deadline = time.time() + 10
+    while time.time() < deadline:  # the server notices the closed streams at its next poll
+        with c["alice"].stream("GET", url, headers=sse) as again:
+            if again.status_code == 200:
+                break
+        time.sleep(0.2)
+    assert again.status_code == 200

@@ -11,19 +11,20 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
 from typing import Any
 
 from fastapi import APIRouter, Body, Depends, Header, Path, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from marlaas.api import preflight
+from marlaas.api import preflight, tenancy
 from marlaas.api.access import Principal
 from marlaas.api.deps import Caller, service
 from marlaas.api.models import CheckpointList, EventPage, JobDeleted, JobList, JobOut
 from marlaas.api.responses import AUTHENTICATED, Declared, errors
 from marlaas.api.service import Service
-from marlaas.errors import MarlaasError, SpecError
+from marlaas.errors import MarlaasError, RateLimited, SpecError
 from marlaas.types import TERMINAL_STATUSES
 from marlaas.verify import evaluation
 
@@ -103,8 +104,34 @@ async def events(request: Request, job_id: str, after: float | None = Query(None
     if "application/json" in accept and "text/event-stream" not in accept:
         return first
     poll_s = request.app.state.settings.sse_poll_s
-    return StreamingResponse(_sse(request, svc, p, job_id, first, poll_s), media_type="text/event-stream",
+    plan = None if p.tenant is None else await run_in_threadpool(tenancy.plan_of, svc.store, p.tenant)
+    cap = None if plan is None else plan.max_event_streams
+    release = _open_stream(request, p.tenant, cap)
+    stream = _sse(request, svc, p, job_id, first, poll_s, release)
+    weakref.finalize(stream, release)  # a stream never started (the client left first) closes too
+    return StreamingResponse(stream, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _open_stream(request: Request, tenant: str | None, cap: int | None):
+    """Count an event stream of `tenant` in this process (RateLimited past `cap`, its plan's
+    `max_event_streams`; None: the open single user or the operator, no plan); returns what closes it
+    (once, however often it is called). Runs on the event loop's thread: the counts need no lock."""
+    if tenant is None or cap is None:
+        return lambda: None
+    streams = request.app.state.__dict__.setdefault("event_streams", {})
+    if streams.get(tenant, 0) >= cap:
+        raise RateLimited(f"at most {cap} event streams open at once (your plan's max_event_streams): "
+                          "close one, or read pages with Accept: application/json", 5.0)
+    streams[tenant] = streams.get(tenant, 0) + 1
+    open_ = [True]
+
+    def release() -> None:
+        if open_:
+            open_.clear()
+            streams[tenant] -= 1
+
+    return release
 
 
 @router.get("/{job_id}/metrics")
@@ -149,10 +176,12 @@ def _sse_message(event: str, data: Any, cursor: float | None = None) -> str:
     return f"{head}event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-async def _sse(request: Request, svc: Service, p: Principal, job_id: str, page: dict, poll_s: float):
+async def _sse(request: Request, svc: Service, p: Principal, job_id: str, page: dict, poll_s: float,
+               release=lambda: None):
     """The event stream: each timeline event, a `status` event whenever status or version changes,
     and `end` (the final summary) once the job has ended; a comment line every 15 s keeps proxies open.
-    An error after the stream started is sent as an `error` event, then the stream ends."""
+    An error after the stream started is sent as an `error` event, then the stream ends. `release`
+    runs once the stream ends, however it ends."""
     seen, quiet_since = None, time.monotonic()
     try:
         while True:
@@ -176,3 +205,5 @@ async def _sse(request: Request, svc: Service, p: Principal, job_id: str, page: 
             page = await run_in_threadpool(svc.events, p, job_id, page["next"], 1000)
     except MarlaasError as e:
         yield _sse_message("error", {"type": type(e).__name__, "message": str(e)})
+    finally:
+        release()
