@@ -1,6 +1,8 @@
 """Chaos benchmark: many SIGKILLs of random station processes plus a broker restart, 8 tenants.
 
-    .venv/bin/python bench/chaos.py --kills 50 --out results/chaos.json
+    .venv/bin/python bench/chaos.py --kills 50 --steps 200 --out results/chaos.json
+
+(--steps: long enough that the jobs outlive the kills, about 3 s each; with 12 the jobs end first.)
 
 Reports kills survived, lost steps (published versions missing) and duplicated steps (a version
 published twice) per job; references naming an object missing from the artifact store (before and

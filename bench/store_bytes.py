@@ -109,7 +109,8 @@ def machine() -> dict:
     return {"cpus": os.cpu_count(), "cpu": cpu, "memory_gib": round(mem / 2**30, 1),
             "python": platform.python_version(), "os": platform.system(),
             "load_avg_1m": round(os.getloadavg()[0], 2),
-            "note": "shared by three engineers' builds and tests at the time; timings carry that load"}
+            "note": "load_avg_1m: the machine's load when the section started (other work on a shared machine "
+                    "shows there, and timings carry it)"}
 
 
 def fresh_home(tag: str) -> Path:
