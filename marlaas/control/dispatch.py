@@ -281,7 +281,7 @@ def apply(store: Store, plan: scheduler.Plan, send: Send, config: TickConfig = T
     if plan.train is not None:
         train = (plan.train[0], plan.train[1], plan.lane_weight, config.train_lease_s)
     elif plan.tinker is not None:
-        train = (plan.tinker, 0, plan.lane_weight, config.train_lease_s)
+        train = (plan.tinker, 0, plan.lane_weight, config.train_lease_s, True)
     token = store.tick_write(relet, new, config.lease_s, batch_ids, plan.dispatched, train)
     messages = [("marlaas.generate", [batch_id, [[ItemKind(k).value, j, i] for k, j, i in batch]])
                 for batch_id, batch in zip(batch_ids, plan.gen_batches)]

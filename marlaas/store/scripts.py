@@ -133,7 +133,8 @@ TICK_WRITE = SYNC_FN + """
 -- KEYS: leases, gen in-flight, table, active set, trainer lease, virtual time, change log
 -- ARGV: deadline, job key prefix, index suffix, re-leased items (a line each), new items (a line
 --   each: indexed per job too), batch ids (a line each), "job total" lines (dispatch counters),
---   train job ('' = none), trainer lease value, its ttl ms, pass increment (1 / weight)
+--   train job ('' = none), trainer lease value, its ttl ms, pass increment (1 / weight), '1' when
+--   the pick is a Tinker model (its pass is lifted to the virtual time first)
 -- Returns 1 iff the trainer lease was taken.
 local sync, zargs, n, deadline = {}, {}, 0, ARGV[1]
 for _, a in ipairs({ARGV[4], ARGV[5]}) do
@@ -161,9 +162,17 @@ if ARGV[8] ~= '' then
   if redis.call('SET', KEYS[5], ARGV[9], 'NX', 'PX', ARGV[10]) then
     took = 1
     local jkey = ARGV[2] .. ARGV[8]
-    local old = redis.call('HGET', jkey, 'pass') or '0'
+    local vt = tonumber(redis.call('GET', KEYS[6]) or '0') or 0
+    local old = tonumber(redis.call('HGET', jkey, 'pass') or '0') or 0
+    if ARGV[12] == '1' and old < vt then
+      -- a Tinker model (it leaves the lane whenever its queue is empty) comes back at the virtual
+      -- time: no credit for the time it had nothing queued
+      old = vt
+      redis.call('HSET', jkey, 'pass', tostring(vt))
+    end
     redis.call('HINCRBYFLOAT', jkey, 'pass', ARGV[11])
-    redis.call('SET', KEYS[6], old)  -- the virtual time: the pass the job was picked at
+    -- the virtual time: the pass the pick had, never moving back
+    if old > vt then redis.call('SET', KEYS[6], tostring(old)) end
     sync[ARGV[8]] = true
   end
 end

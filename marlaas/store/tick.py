@@ -150,27 +150,29 @@ class TickOps:
         return (pick or None), (words.split(" ") if words else [])
 
     def tick_write(self, relet: list[str], new: list[str], seconds: float, gen_batches: list[str],
-                   dispatched: dict[str, int], train: tuple[str, int, float, float] | None = None) -> str | None:
+                   dispatched: dict[str, int], train: tuple | None = None) -> str | None:
         """One atomic script call for a tick's writes: leases until now + seconds (`new` ones also
         indexed per job), the generate batches in flight, the jobs' dispatch counters and, with
-        `train` = (job, version, weight, lease seconds), the trainer lane (SET NX) and, iff taken, the
-        job's pass += 1 / weight (the virtual time becomes its old pass). Returns the trainer lease's
-        token, or None."""
+        `train` = (job, version, weight, lease seconds[, tinker]), the trainer lane (SET NX) and, iff
+        taken, the job's pass += 1 / weight (the virtual time becomes its old pass if that is later;
+        it never moves back). A Tinker model (`tinker` true) is first lifted to the virtual time: it
+        earns no credit while it has nothing queued. Returns the trainer lease's token, or None."""
         if not (relet or new or gen_batches or dispatched or train):
             return None
         ipre, ipost = split_key(lease_index_key)
-        token, tj, val, ttl, inc = None, "", "", 0, 0.0
+        token, tj, val, ttl, inc, lift = None, "", "", 0, 0.0, ""
         if train is not None:
             import uuid
 
-            tj, version, weight, lease_s = train
+            tj, version, weight, lease_s, *tinker = train
+            lift = "1" if tinker and tinker[0] else ""
             token = uuid.uuid4().hex
             val = json.dumps({"token": token, "job": tj, "version": version, "since": time.time()})
             ttl, inc = int(lease_s * 1000), 1.0 / weight
         took = self._tick_write(
             keys=[LEASES, GEN_INFLIGHT, SCHED_JOBS, ACTIVE, TRAINER, VT, SCHED_CHANGES],
             args=[repr(time.time() + seconds), ipre, ipost, "\n".join(relet), "\n".join(new), "\n".join(gen_batches),
-                  "\n".join(f"{j} {n}" for j, n in dispatched.items()), tj, val, ttl, repr(inc)],
+                  "\n".join(f"{j} {n}" for j, n in dispatched.items()), tj, val, ttl, repr(inc), lift],
         )
         return token if took else None
 
@@ -180,13 +182,15 @@ class TickOps:
         self.tick_write([], leases, seconds, gen_batches, dispatched)
 
     def advance_pass(self, jid: str, weight: float) -> None:
-        """Charge the job one trainer step; the virtual time is the pass it was picked at."""
+        """Charge the job one trainer step; the virtual time becomes the pass it was picked at, if later."""
         p = self.r.pipeline(transaction=True)
         p.hget(job_key(jid), "pass")
+        p.get(VT)
         p.hincrbyfloat(job_key(jid), "pass", 1.0 / weight)
         self.sync_rows([jid], pipe=p)
-        old = p.execute()[0]
-        self.r.set(VT, old or b"0")
+        old, vt = p.execute()[:2]
+        if float(old or 0.0) > float(vt or 0.0):
+            self.r.set(VT, old)
 
     def charge_lane(self, lane_id: str, amount: float) -> None:
         """Add `amount` to a Tinker model's trainer-lane pass (what its grant owed beyond one step:
@@ -195,15 +199,16 @@ class TickOps:
             self.r.hincrbyfloat(job_key(lane_id), "pass", amount)
 
     def lane_passes(self, ids: list[str]) -> dict[str, float]:
-        """The trainer-lane pass of each id (a Tinker model: the pass the tick charges it, kept under
-        its id like a job's); one never charged starts at the virtual time."""
+        """The trainer-lane pass of each Tinker model id (the pass the tick charges it, kept under its id
+        like a job's), never earlier than the virtual time: a model that had nothing queued comes back
+        at the virtual time (one never charged starts there)."""
         p = self.r.pipeline(transaction=False)
         p.get(VT)
         for i in ids:
             p.hget(job_key(i), "pass")
         vt, *passes = p.execute()
         start = float(vt or 0.0)
-        return {i: float(x) if x is not None else start for i, x in zip(ids, passes)}
+        return {i: max(float(x), start) if x is not None else start for i, x in zip(ids, passes)}
 
     def virtual_time(self) -> float:
         """The trainer lane's virtual time: the pass of the job it was last given to."""

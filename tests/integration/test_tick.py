@@ -361,3 +361,31 @@ def test_watchdog_spares_a_job_waiting_for_its_trainer_turn(st):
     st.r.set(VT, 6.0)  # its turn came and went: now it is stalled
     assert _watch(st, t0 + 202, memory) == [waiting]  # its clock restarted at t0 + 101
     assert st.job(waiting).status == "failed"
+
+
+@pytest.mark.integration
+def test_a_tinker_model_comes_back_at_the_virtual_time_and_it_never_moves_back(st):
+    """A model earns no lane credit while it has nothing queued: never charged or idle, it is picked
+    at the virtual time (not from 0, which let a new model hold the lane until it caught up with
+    every job); a job picked with credit (it waited for generation) keeps it, and the virtual time
+    does not move back."""
+    from marlaas.store import VT
+
+    jid = make_job(st, "a")
+    st.r.hset(f"m:job:{jid}", "pass", 100.0)
+    st.sync_rows([jid])
+    st.r.set(VT, 100.0)
+    st.r.hset("m:job:tk-idle", "pass", 5.0)  # charged long ago, then nothing queued
+    assert st.lane_passes(["tk-new", "tk-idle"]) == {"tk-new": 100.0, "tk-idle": 100.0}
+    for mid in ("tk-new", "tk-idle"):
+        token = st.tick_write([], [], 10, [], {}, (mid, 0, 1.0, 30, True))
+        assert token is not None and float(st.r.hget(f"m:job:{mid}", "pass")) == 101.0
+        st.release_trainer(token)
+    st.r.hset(f"m:job:{jid}", "pass", 60.0)  # a job with credit: it is charged from where it was
+    st.sync_rows([jid])
+    token = st.tick_write([], [], 10, [], {}, (jid, 0, 0.5, 30))
+    assert token is not None and float(st.r.hget(f"m:job:{jid}", "pass")) == 62.0
+    assert float(st.r.get(VT)) == 100.0  # not back to 60
+    st.release_trainer(token)
+    st.advance_pass(jid, 1.0)
+    assert float(st.r.get(VT)) == 100.0
