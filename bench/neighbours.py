@@ -449,6 +449,25 @@ def attack_parquet_bomb(ctx: Ctx, deadline: float, bombs: dict | None = None) ->
                                                  for k, v in bombs.items()}, **ans.out()}}
 
 
+def flood_futures(ctx: Ctx, deadline: float, path: str, body, ans: Answers) -> tuple[list[str], int]:
+    """POST `body()` to a Tinker route from 2 threads until the deadline (a 429 waits 0.5 s), keeping the
+    futures it queued; then cancel them. (the futures' ids, how many cancels answered 200)."""
+    rids, lock = [], threading.Lock()
+
+    def call():
+        r = ctx.http.post(path, json=body(), timeout=left(deadline))
+        if r.status_code == 200:
+            with lock:
+                rids.append(r.json()["request_id"])
+        return r
+
+    try:
+        flood(2, deadline, f"POST {path}", call, ans, on_429_s=0.5)
+    finally:
+        cancelled = ctx.cancel_futures(list(rids))
+    return rids, cancelled
+
+
 def attack_tinker_fwdbwd_huge(ctx: Ctx, deadline: float) -> dict:
     from marlaas.api.tenancy import Quotas
 
@@ -464,27 +483,18 @@ def attack_tinker_fwdbwd_huge(ctx: Ctx, deadline: float) -> dict:
                                    "weights": {"data": [1.0] * ctx_len, "dtype": "float32", "shape": [ctx_len]}}}
 
     data = [datum() for _ in range(per_op)]
-    ans, rids, lock = Answers(), [], threading.Lock()
+    ans, lock = Answers(), threading.Lock()
     probe = ctx.http.post("/api/v1/forward_backward", json={
         "model_id": mid, "seq_id": 1, "forward_backward_input": {"data": data + [datum()], "loss_fn": "cross_entropy"}})
     ans.add("forward_backward over the plan (probe)", probe)
 
-    def call():
+    def body() -> dict:
         with lock:
             ctx.seq += 1
             seq = ctx.seq
-        r = ctx.http.post("/api/v1/forward_backward", json={"model_id": mid, "seq_id": seq, "forward_backward_input":
-                                                            {"data": data, "loss_fn": "cross_entropy"}},
-                          timeout=left(deadline))
-        if r.status_code == 200:
-            with lock:
-                rids.append(r.json()["request_id"])
-        return r
+        return {"model_id": mid, "seq_id": seq, "forward_backward_input": {"data": data, "loss_fn": "cross_entropy"}}
 
-    try:
-        flood(2, deadline, "POST /api/v1/forward_backward", call, ans, on_429_s=0.5)
-    finally:
-        cancelled = ctx.cancel_futures(list(rids))
+    rids, cancelled = flood_futures(ctx, deadline, "/api/v1/forward_backward", body, ans)
     return {"attacker": {"model": mid, "datums_per_op": per_op, "tokens_per_op": per_op * ctx_len,
                          "context": ctx_len, "ops_queued": len(rids), "cancel_answered_200": cancelled,
                          "bounds": {"tinker_max_data_per_op": plan.tinker_max_data_per_op,
@@ -499,19 +509,8 @@ def attack_tinker_sample_flood(ctx: Ctx, deadline: float) -> dict:
     ids = ctx.tokenizer("sort:31=")["input_ids"]
     body = {"num_samples": 128, "prompt": {"chunks": [{"type": "encoded_text", "tokens": ids}]},
             "sampling_params": {"max_tokens": ctx_len - len(ids), "temperature": 1.0}, "base_model": base}
-    ans, rids, lock = Answers(), [], threading.Lock()
-
-    def call():
-        r = ctx.http.post("/api/v1/asample", json=body, timeout=left(deadline))
-        if r.status_code == 200:
-            with lock:
-                rids.append(r.json()["request_id"])
-        return r
-
-    try:
-        flood(2, deadline, "POST /api/v1/asample", call, ans, on_429_s=0.5)
-    finally:
-        cancelled = ctx.cancel_futures(list(rids))
+    ans = Answers()
+    rids, cancelled = flood_futures(ctx, deadline, "/api/v1/asample", lambda: body, ans)
     return {"attacker": {"samples_per_request": 128, "max_tokens": ctx_len - len(ids), "requests_queued": len(rids),
                          "cancel_answered_200": cancelled, "bound": {"tinker_max_pending_samples":
                                                                  plan.tinker_max_pending_samples}, **ans.out()}}

@@ -28,17 +28,18 @@ from tasks.common import base_dir, kick, send, station_event, store, tick_config
 
 log = logging.getLogger("marlaas.train")
 _engine = None
-_step_s: list[float] = []  # the running mean of this trainer's job steps (seconds), one value
+_step_s: float | None = None  # the running mean of this trainer's job steps (seconds)
 
 
 def step_seconds() -> float | None:
     """What a job step takes on this trainer lately (an exponential mean over its steps; None before
     the first): the unit Tinker grants are charged in (`tasks.tinker.tinker_train`)."""
-    return _step_s[0] if _step_s else None
+    return _step_s
 
 
 def _record_step(seconds: float) -> None:
-    _step_s[:] = [seconds if not _step_s else 0.8 * _step_s[0] + 0.2 * seconds]
+    global _step_s
+    _step_s = seconds if _step_s is None else 0.8 * _step_s + 0.2 * seconds
 
 
 def engine():

@@ -31,6 +31,13 @@ from marlaas.errors import StoreUnavailable
 from marlaas.store.keys import RATELIMIT
 
 
+def _limiter(pool: ConnectionPool | None, prefix: str) -> MovingWindowRateLimiter:
+    """A moving-window limiter over Redis through `pool` under `prefix` (in memory without a pool)."""
+    storage: Storage = (MemoryStorage() if pool is None else
+                        RedisStorage("redis://", connection_pool=pool, key_prefix=prefix, wrap_exceptions=True))
+    return MovingWindowRateLimiter(storage)
+
+
 class RateLimiter:
     """A moving window per caller key: `rate` requests per second sustained, `burst` at most at once,
     in Redis through `pool` (the store's connection pool) or in memory without one."""
@@ -39,10 +46,7 @@ class RateLimiter:
         self.rate, self.burst = rate, burst
         self.window = max(1, round(burst / rate)) if rate > 0 else 1
         self.item = RateLimitItemPerSecond(max(burst, math.ceil(rate * self.window)), self.window)
-        storage: Storage = (MemoryStorage() if pool is None else
-                            RedisStorage("redis://", connection_pool=pool, key_prefix=RATELIMIT,
-                                         wrap_exceptions=True))
-        self.limiter = MovingWindowRateLimiter(storage)
+        self.limiter = _limiter(pool, RATELIMIT)
 
     def take(self, key: str) -> float:
         """0 when the caller may go on (one request counted), else the seconds until it may retry."""
@@ -62,10 +66,7 @@ class PlanLimiter:
     without one): `take(tenant, [(name, per_minute, cost), ...])`."""
 
     def __init__(self, pool: ConnectionPool | None = None):
-        storage: Storage = (MemoryStorage() if pool is None else
-                            RedisStorage("redis://", connection_pool=pool, key_prefix=RATELIMIT + "plan:",
-                                         wrap_exceptions=True))
-        self.limiter = MovingWindowRateLimiter(storage)
+        self.limiter = _limiter(pool, RATELIMIT + "plan:")
 
     def take(self, tenant: str, budgets: list[tuple[str, int, int]]) -> tuple[str, float] | None:
         """None when each (name, per_minute, cost) fits in the tenant's budget of that name (all are

@@ -119,7 +119,7 @@ def _open_stream(request: Request, tenant: str | None, cap: int | None):
     (once, however often it is called). Runs on the event loop's thread: the counts need no lock."""
     if tenant is None or cap is None:
         return lambda: None
-    streams = request.app.state.__dict__.setdefault("event_streams", {})
+    streams = request.app.state.event_streams
     if streams.get(tenant, 0) >= cap:
         raise RateLimited(f"at most {cap} event streams open at once (your plan's max_event_streams): "
                           "close one, or read pages with Accept: application/json", 5.0)
