@@ -30,6 +30,7 @@ from marlaas.store.keys import (
     eval_key,
     files_key,
     job_key,
+    kept_key,
     lease_index_key,
     live_key,
     model_key,
@@ -72,6 +73,7 @@ class HygieneOps:
                         if v not in keep:
                             gone.append(ref_or_none(self.r.hget(adapter_key(jid, v), "ref")))
                             p.delete(adapter_key(jid, v))
+                            p.zrem(kept_key(jid), str(v))
                     for v in eval_versions(spec.steps, spec.eval_every):
                         p.delete(eval_key(jid, v))
                     first = max(0, (version - spec.max_staleness - 1) * spec.prompts_per_step)

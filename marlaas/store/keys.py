@@ -62,6 +62,12 @@ def metrics_key(j: str) -> str:
     return f"{P}job:{j}:metrics"
 
 
+def kept_key(j: str) -> str:
+    """The versions whose adapter record (adapter_key) the job still keeps: a sorted set, so a publish
+    finds the references it must not delete without reading every version ever published."""
+    return f"{P}job:{j}:kept"
+
+
 def optim_key(j: str) -> str:
     return f"{P}job:{j}:optim"
 

@@ -21,6 +21,7 @@ from marlaas.store.keys import (
     TRAINER,
     adapter_key,
     job_key,
+    kept_key,
     metrics_key,
     optim_key,
     verified_key,
@@ -66,13 +67,27 @@ class LaneOps:
         return int(v), self.blob(raw)
 
     def job_live_keys(self, jid: str) -> set[str]:
-        """The object keys the job's references name: every stored adapter version and its optimizer state."""
-        version = self.r.hget(job_key(jid), "version")
+        """The object keys the job's references name: every stored adapter version and its optimizer
+        state. Reads only the versions still kept (`kept_key`), so a publish costs the same at version
+        10,000 as at version 10."""
+        self._seed_kept(jid)
+        versions = self.r.zrange(kept_key(jid), 0, -1)
         p = self.r.pipeline(transaction=False)
-        for v in range(1, int(version or 0) + 1):
-            p.hget(adapter_key(jid, v), "ref")
+        for v in versions:
+            p.hget(adapter_key(jid, int(v)), "ref")
         p.hget(optim_key(jid), "ref")
         return {Ref.parse(x).key for x in p.execute() if x}
+
+    def _seed_kept(self, jid: str) -> None:
+        """A job published by an earlier marlaas has adapter records but no kept set: build it once
+        from the records that exist (every later publish keeps it in step)."""
+        version, has_set = self.r.hget(job_key(jid), "version"), self.r.exists(kept_key(jid))
+        if has_set or not int(version or 0):
+            return
+        vs = list(range(1, int(version) + 1))
+        kept = self.existing_adapters(jid, vs)
+        if kept:
+            self.r.zadd(kept_key(jid), {str(v): v for v in kept})
 
     def publish(
         self,
@@ -97,6 +112,7 @@ class LaneOps:
         replaced are deleted once no reference of the job names them."""
         tenant = self.r.hget(job_key(jid), "tenant")
         owner = job_owner(tenant.decode() if tenant else None, jid)
+        self._seed_kept(jid)
         w_ref = self.put_blob(owner, adapter.weights)
         o_ref = self.put_blob(owner, optimizer)
         old = t + 1 - KEEP_VERSIONS_EXTRA - 1
@@ -104,7 +120,7 @@ class LaneOps:
         old_key = adapter_key(jid, old) if old >= 1 and not evaluated else ""
         out = self._publish(
             keys=[job_key(jid), adapter_key(jid, t + 1), optim_key(jid), TRAINER, verified_key(jid),
-                  metrics_key(jid), old_key, SCHED_JOBS, ACTIVE, SCHED_CHANGES],
+                  metrics_key(jid), old_key, SCHED_JOBS, ACTIVE, SCHED_CHANGES, kept_key(jid)],
             args=[t, json.dumps(adapter.config), str(w_ref), str(o_ref), json.dumps(metrics),
                   lease_token, time.time(), len(trained_groups), *trained_groups, jid],
         )

@@ -221,7 +221,7 @@ return n
 
 PUBLISH = SYNC_FN + """
 -- KEYS: job, adapter(v+1), optim, trainer lease, verified, metrics, old adapter (or ''),
---       scheduling table, active set, its change log
+--       scheduling table, active set, its change log, kept versions
 -- ARGV: t, config, weights ref, optim ref, metrics json, lease token, now, n_groups, g1..gn, job id
 -- Returns {0} when the job is not at version t, else {1, the old adapter's ref, the previous optim ref}
 -- (the references this publish replaced; '' when none).
@@ -230,6 +230,7 @@ if cur ~= tonumber(ARGV[1]) then return {0} end
 local nv = cur + 1
 redis.call('HSET', KEYS[1], 'version', nv, 'updated', ARGV[7])
 redis.call('HSET', KEYS[2], 'config', ARGV[2], 'ref', ARGV[3])
+redis.call('ZADD', KEYS[11], nv, nv)
 local old_optim = redis.call('HGET', KEYS[3], 'ref') or ''
 redis.call('HSET', KEYS[3], 'version', nv, 'ref', ARGV[4])
 redis.call('RPUSH', KEYS[6], ARGV[5])
@@ -243,6 +244,7 @@ local old_adapter = ''
 if KEYS[7] ~= '' then
   old_adapter = redis.call('HGET', KEYS[7], 'ref') or ''
   redis.call('DEL', KEYS[7])
+  redis.call('ZREM', KEYS[11], string.match(KEYS[7], ':(%d+)$'))
 end
 local lease = redis.call('GET', KEYS[4])
 if lease and string.find(lease, ARGV[6], 1, true) then redis.call('DEL', KEYS[4]) end
