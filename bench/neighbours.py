@@ -27,6 +27,8 @@ Attacks (`--attack`, default all, in this order):
   of job reads (`GET /v1/jobs/{id}`, `GET /v1/jobs`).
 
 Figures per attack (JSON `attacks[]`):
+- victim.jobs: the victim's jobs in order (a job of the plan's 10,000 steps ends within ~8 minutes here:
+  before an attack whose windows it could end in, it is cancelled and a new one started).
 - victim.steps_per_min {before, during, baseline} and `ratio` (during / before), `ratio_to_baseline`
   (during / the first quiet window): the victim job's published trainer steps (store metrics) per
   minute. A "before" well under the baseline means the previous attack was still being felt.
@@ -68,6 +70,8 @@ from abuse import LEASE_S, SORT, make_stack, start_stack, two_tenants
 TARGET_RATIO, TARGET_P99_S = 0.45, 1.0
 SAMPLE_EVERY_S = 0.5
 TINKER_EVERY_S = 3.0
+VICTIM_STEPS = 10_000  # the plan's max_steps
+MAX_VICTIM_STEPS_PER_S = 40  # above what the victim's job does alone here: a new job is started before it could end
 PROCS = ("api", "control", "generate", "verify", "train", "beat", "redis")
 ROWS = [{"prompt": f"max:{i}{i + 3}{i + 1}=", "answer": str(i + 3)} for i in range(1, 7)]
 
@@ -664,11 +668,17 @@ def main() -> None:
         store = start_stack(stack, api, flower=False)
         tenants = two_tenants(store, api)
         (vtok, victim), (atok, attacker) = tenants["victim"], tenants["attacker"]
-        vjob = victim.post("/v1/jobs", json={**SORT, "steps": 10_000, "seed": 1}).raise_for_status().json()["id"]
-        out["victim"] = {"job": vjob, "spec": {**SORT, "steps": 10_000}}
-        t_wait = time.time() + 240
-        while len(store.metrics(vjob)) < 3 and time.time() < t_wait:  # past its first steps and evaluation
-            time.sleep(1)
+
+        def victim_job(seed: int) -> str:
+            spec = {**SORT, "steps": VICTIM_STEPS, "seed": seed}
+            jid = victim.post("/v1/jobs", json=spec).raise_for_status().json()["id"]
+            t_wait = time.time() + 240
+            while len(store.metrics(jid)) < 3 and time.time() < t_wait:  # past its first steps and evaluation
+                time.sleep(1)
+            return jid
+
+        vjob = victim_job(1)
+        out["victim"] = {"job": vjob, "jobs": [vjob], "spec": {**SORT, "steps": VICTIM_STEPS}}
         ctx = Ctx(api, attacker, atok, home / "base-test", store)
         monitor = Monitor(api, vtok, vjob, stack)
         monitor.start()
@@ -682,6 +692,11 @@ def main() -> None:
               "quiet each", flush=True)
         baseline = None
         for name in names:
+            left = VICTIM_STEPS - len(store.metrics(vjob))
+            if left < 2 * a.window_s * MAX_VICTIM_STEPS_PER_S:  # it could end inside this attack's windows
+                victim.post(f"/v1/jobs/{vjob}/cancel")
+                vjob = monitor.vjob = victim_job(len(out["victim"]["jobs"]) + 1)
+                out["victim"]["jobs"].append(vjob)
             t0 = time.time()
             time.sleep(a.window_s)
             t1 = time.time()

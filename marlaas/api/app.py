@@ -48,7 +48,6 @@ def create_app(store_url: str | None = None, home: Path | None = None, *, open: 
     limiter = RateLimiter(s.rate, s.burst, service.store.r.connection_pool)  # one budget across API processes
     app.state.service, app.state.settings, app.state.limiter = service, s, limiter
     app.state.plan_limiter = PlanLimiter(service.store.r.connection_pool)  # the plans' per-tenant budgets
-    app.state.event_streams = {}  # tenant -> event streams open in this process (routes/jobs.py)
     app.add_middleware(BodyLimit, max_body=s.max_body_bytes, max_file=s.max_file_bytes, upload_path=files.PATH)
     install_error_handlers(app)
     keep_http_headers(app)

@@ -12,8 +12,9 @@ graders wait on the sandbox. So the API never grades on its own threads:
   /v1/health` and every other route keep their threads whatever tenants' dry runs do;
 - at most `slots` dry runs run at once in the process, and at most the plan's
   `max_concurrent_dry_runs` per tenant (the operator and the open single user count as one
-  tenant, `None`); past either bound the request is refused at once with 429 (RateLimited), never
-  queued.
+  tenant, `None`) across every API process (`caps`, a `SharedCap` in the deployment's Redis; in
+  this process only without one); past either bound the request is refused at once with 429
+  (RateLimited), never queued.
 
 Invariants: a reservation is always released (the child ended, was killed, or never started); a
 child that dies or runs past its limits is the dry run's error line (reward 0.0), not a 5xx.
@@ -44,8 +45,9 @@ class DryRuns:
     """The process's dry-run slots and children (one per API app)."""
 
     def __init__(self, home: str | None = None, slots: int = SLOTS, wall_s: float = WALL_S,
-                 memory_mb: int = MEMORY_MB):
+                 memory_mb: int = MEMORY_MB, caps=None):
         self.home, self.slots, self.wall_s, self.memory_mb = home, slots, wall_s, memory_mb
+        self.caps = caps  # a marlaas.api.ratelimit.SharedCap: the per-tenant cap across API processes
         self._pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="marlaas-dry-run")
         self._lock = threading.Lock()  # guards the counters only, held for a few instructions
         self._running: dict[str | None, int] = {}
@@ -56,18 +58,34 @@ class DryRuns:
         with self._lock:
             return self._running.get(tenant, 0)
 
-    def _reserve(self, tenant: str | None, cap: int) -> None:
+    def _reserve(self, tenant: str | None, cap: int) -> str | None:
+        """Take a place of the process and one of the tenant's (RateLimited when either is full);
+        returns the tenant's shared hold (None without `caps`)."""
+        def refused(mine: int) -> RateLimited:
+            return RateLimited(f"too many dry runs at once: {mine} of this tenant's are running (plan: "
+                               f"max_concurrent_dry_runs {cap}); retry when one has ended", 1.0)
+
         with self._lock:
             mine = self._running.get(tenant, 0)
-            if mine >= cap:
-                raise RateLimited(f"too many dry runs at once: {mine} of this tenant's are running (plan: "
-                                  f"max_concurrent_dry_runs {cap}); retry when one has ended", 1.0)
+            if self.caps is None and mine >= cap:
+                raise refused(mine)
             if self._total >= self.slots:
                 raise RateLimited(f"the server is running its {self.slots} dry runs at once; retry in a moment", 1.0)
             self._running[tenant] = mine + 1
             self._total += 1
+        if self.caps is None:
+            return None
+        try:
+            hold = self.caps.take(tenant, cap)
+        except BaseException:
+            self._release(tenant, None)
+            raise
+        if hold is None:
+            self._release(tenant, None)
+            raise refused(cap)
+        return hold
 
-    def _release(self, tenant: str | None) -> None:
+    def _release(self, tenant: str | None, hold: str | None) -> None:
         with self._lock:
             self._total -= 1
             left = self._running.get(tenant, 1) - 1
@@ -75,18 +93,20 @@ class DryRuns:
                 self._running[tenant] = left
             else:
                 self._running.pop(tenant, None)
+        if hold is not None:
+            self.caps.release(tenant, hold)
 
     async def run(self, tenant: str | None, cap: int, grader: dict, item: Mapping, output_text: str,
                   registered: Mapping[str, str]) -> dict:
         """{"reward", "error", "sub_rewards"} of one dry run; RateLimited past the caps; SpecError when
         the grader cannot load."""
-        self._reserve(tenant, cap)
+        hold = self._reserve(tenant, cap)
         try:
             loop = asyncio.get_running_loop()
             out = await loop.run_in_executor(self._pool, self._call, grader, dict(item), output_text,
                                              dict(registered))
         finally:
-            self._release(tenant)
+            self._release(tenant, hold)
         if "fail" in out:
             raise SpecError(out["fail"])
         return out

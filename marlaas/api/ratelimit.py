@@ -13,13 +13,15 @@ the budget is in-process memory.
 
 `PlanLimiter` is the same over a tenant's plan: a named budget per tenant (serving requests and tokens
 per minute), where one request may cost more than one unit; a request that would pass the budget
-takes nothing from it.
+takes nothing from it. `SharedCap` is the plan's concurrency caps (dry runs running, event streams
+open at once per tenant), in the same Redis for the same reason.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import uuid
 
 from limits import RateLimitItemPerMinute, RateLimitItemPerSecond
 from limits.errors import StorageError
@@ -27,7 +29,7 @@ from limits.storage import MemoryStorage, RedisStorage, Storage
 from limits.strategies import MovingWindowRateLimiter
 from redis import ConnectionPool
 
-from marlaas.errors import StoreUnavailable
+from marlaas.errors import StoreUnavailable, one_line
 from marlaas.store.keys import RATELIMIT
 
 
@@ -84,3 +86,69 @@ class PlanLimiter:
         except StorageError as e:
             raise StoreUnavailable(f"the rate limit's store does not answer ({e.storage_error})") from None
         return None
+
+
+_TAKE_HOLD = """
+-- KEYS: the tenant's holds (zset hold -> until, in ms of the Redis clock); ARGV: cap, hold id, ttl ms.
+-- Drops holds past their time, then adds this one iff fewer than cap remain. 1: taken, 0: refused.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
+return 1
+"""
+
+_RENEW_HOLD = """
+-- KEYS: the tenant's holds; ARGV: hold id, ttl ms. Moves the hold's time on iff it is still held.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2])) end
+return 1
+"""
+
+
+class SharedCap:
+    """At most `cap` things of one kind held at once per tenant (dry runs running, event streams open),
+    counted in Redis so that every API process takes from the same count.
+
+    Invariants: a hold is taken in one script (two processes asking for the last place never both get
+    it); every hold has a time limit (`ttl_s`, on the Redis server's clock), so a process killed while
+    holding frees its places by itself: a long hold (an event stream) renews itself while it lasts; the
+    tenant's key expires with its last hold. A Redis failure is `StoreUnavailable` (503)."""
+
+    def __init__(self, r, kind: str, ttl_s: float):
+        self.r, self.kind, self.ttl_ms = r, kind, max(1000, int(ttl_s * 1000))
+        self._take, self._renew = r.register_script(_TAKE_HOLD), r.register_script(_RENEW_HOLD)
+
+    def _key(self, tenant: str | None) -> str:
+        return f"{RATELIMIT}:hold:{self.kind}:{'-' if tenant is None else tenant}"
+
+    def _call(self, fn, *args):
+        import redis
+
+        try:
+            return fn(*args)
+        except redis.RedisError as e:
+            raise StoreUnavailable(f"the concurrency caps' store does not answer ({one_line(str(e), 120)})") from None
+
+    def take(self, tenant: str | None, cap: int) -> str | None:
+        """A hold id when the tenant holds fewer than `cap` now (it holds one more), else None."""
+        hold = uuid.uuid4().hex
+        ok = self._call(self._take, [self._key(tenant)], [cap, hold, self.ttl_ms])
+        return hold if int(ok) else None
+
+    def renew(self, tenant: str | None, hold: str) -> bool:
+        """Move the hold's time limit on (False: it had already run out)."""
+        return bool(int(self._call(self._renew, [self._key(tenant)], [hold, self.ttl_ms])))
+
+    def release(self, tenant: str | None, hold: str) -> None:
+        self._call(self.r.zrem, self._key(tenant), hold)
+
+    def held(self, tenant: str | None) -> int:
+        """Holds of the tenant not yet past their time (as the Redis clock reads now)."""
+        secs, micros = self._call(self.r.time)
+        return int(self._call(self.r.zcount, self._key(tenant), secs * 1000 + micros // 1000, "+inf"))

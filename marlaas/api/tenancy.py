@@ -55,11 +55,11 @@ class Quotas(BaseModel):
     max_dataset_bytes: int = Field(64 << 20, ge=1024)
     """Largest dataset (training plus held-out rows, as JSON)."""
     max_concurrent_dry_runs: int = Field(2, ge=1, le=64)
-    """Grader dry runs (`POST /v1/graders/run`) of the tenant running at once in one API process; past
-    it, 429. Each runs in a child process limited in memory and time (`marlaas.api.dryruns`)."""
+    """Grader dry runs (`POST /v1/graders/run`) of the tenant running at once over every API process;
+    past it, 429. Each runs in a child process limited in memory and time (`marlaas.api.dryruns`)."""
     max_event_streams: int = Field(4, ge=1, le=1_000)
     """Job event streams (`GET /v1/jobs/{id}/events` as server-sent events) of the tenant open at once
-    in one API process; past it, 429 until one closes (a page of events as JSON is not a stream)."""
+    over every API process; past it, 429 until one closes (a page of events as JSON is not a stream)."""
     tinker_max_data_per_op: int = Field(256, ge=1)
     """Largest number of datums in one Tinker forward / forward_backward (422 past it)."""
     tinker_max_tokens_per_op: int = Field(131_072, ge=1)

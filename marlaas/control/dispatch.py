@@ -117,6 +117,10 @@ def snapshot(store: Store, now: float, config: TickConfig = TickConfig(),
         for i, j in enumerate(jobs):
             if j.id == pick or j.id in need:
                 states[i] = replace(j.state, ready=j.id == pick, need_eval=need.get(j.id, ()))
+    tinker = _tinker_candidates(store) if trainer_free else ()
+    if tinker:  # which jobs are between steps matters only when a Tinker model wants the lane
+        stepping = memory.stepping(store.url, jobs, now, scheduler.ANTICIPATE_S)
+        states = [replace(st, stepping=True) if st.id in stepping else st for st in states]
     return scheduler.Snapshot(
         jobs=tuple(states),
         gen_inflight=state["gen_inflight"],
@@ -126,7 +130,8 @@ def snapshot(store: Store, now: float, config: TickConfig = TickConfig(),
         expired=expired,
         min_batch_rows=int(config.gen_min_fill * config.gen_batch_rows),
         jit_jobs=config.gen_jit_jobs,
-        tinker=_tinker_candidates(store) if trainer_free else (),
+        tinker=tinker,
+        gen_workers=n_gen,
     )
 
 

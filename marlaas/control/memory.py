@@ -124,6 +124,17 @@ class TickMemory:
             self.progress[url] = {k: v for k, v in seen.items() if k in live}
         return out
 
+    def stepping(self, url: str, jobs: list, now: float, within_s: float) -> set[str]:
+        """Jobs whose (version, dispatched) moved within `within_s` seconds (or first seen now), by
+        the watchdog's clock; reads only."""
+        seen = self.progress.get(url, {})
+        out = set()
+        for j in jobs:
+            prev = seen.get(j.key)
+            if prev is None or prev[0] != (j.state.version, j.state.dispatched) or now - prev[1] < within_s:
+                out.add(j.id)
+        return out
+
     def restart_clock(self, url: str, jobs: list, now: float) -> None:
         seen = self.progress.setdefault(url, {})
         for j in jobs:

@@ -76,6 +76,7 @@ class JobState:
     need_eval: tuple[int, ...] = ()
     tenant: str = ""
     preflight: bool = False  # a learnability check: its groups at version 0 only, never trained or evaluated
+    stepping: bool = False  # published or dispatched within the last ANTICIPATE_S: its next step is near
 
     @property
     def done_training(self) -> bool:
@@ -100,6 +101,7 @@ class Snapshot:
     min_batch_rows: int = 0  # a batch of groups ahead only (none urgent) waits until this full
     jit_jobs: int = 0  # from this many jobs training on, no groups ahead are generated (0: never just in time)
     tinker: tuple[JobState, ...] = ()  # Tinker models wanting the trainer lane (ready), read while it is free
+    gen_workers: int = 0  # generate workers alive (0: unknown, batches are never spread)
 
 
 @dataclass(frozen=True)
@@ -174,14 +176,30 @@ def lane_weights(jobs: tuple[JobState, ...] | list[JobState]) -> dict[str, float
     return {j.id: j.weight / max(1, count.get(j.tenant, 0)) for j in jobs}
 
 
+ANTICIPATE_S = 2.0
+"""A job that published or dispatched work this recently is `stepping`: its next step is near."""
+
+
 def choose_trainer(jobs: tuple[JobState, ...] | list[JobState],
                    tinker: tuple[JobState, ...] | list[JobState] = ()) -> JobState | None:
     """Weighted round-robin: the ready job or Tinker model first in `trainer_order` (a model is one
-    of `tinker`, a candidate like a job whose step is ready: see `Snapshot.tinker`)."""
+    of `tinker`, a candidate like a job whose step is ready: see `Snapshot.tinker`).
+
+    A job is ready only between its steps' generation and its training; a Tinker model with queued
+    ops is ready all the time, and its grant holds the lane for seconds. So a model is not given
+    the lane while a job before it in `trainer_order` is `stepping` (its next step due within moments):
+    the lane waits for that job, as it would have been ready a moment later. Otherwise a model
+    would take the lane in every gap between a fast job's steps, whatever its pass, and the job would
+    get far less than its share. A job that stops stepping (stuck in a slow grader, say) never holds
+    the lane: after ANTICIPATE_S the model goes on."""
     ready = [j for j in (*jobs, *tinker) if j.ready and j.training]  # a preflight never trains
     if not ready:
         return None
-    return min(ready, key=trainer_order)
+    best = min(ready, key=trainer_order)
+    if best.ready and any(best is m for m in tinker) and any(
+            j.stepping and j.training and not j.ready and trainer_order(j) < trainer_order(best) for j in jobs):
+        return None  # a Tinker grant is long: the lane waits for the job before it whose step is near
+    return best
 
 
 def grant_extra_charge(seconds: float, step_seconds: float | None, weight: float) -> float:
@@ -302,6 +320,32 @@ def _hold_back(batches: list[list[Item]], by_id: dict[str, JobState], min_rows: 
     return kept
 
 
+def idle_workers(s: Snapshot) -> int:
+    """Generate workers with nothing to do: the workers alive less the batches in flight (each
+    worker runs one batch at a time)."""
+    return max(0, s.gen_workers - s.gen_inflight)
+
+
+def _spread(batches: list[list[Item]], k: int, by_id: dict[str, JobState]) -> list[list[Item]]:
+    """The same items, in the same order, as k batches (when there are fewer, and at least k items)
+    of about equal rows: contiguous runs, so every urgent item stays in a batch before the items
+    after it. A lone job's step (which fits one batch) goes to every idle worker at once."""
+    items = [it for b in batches for it in b]
+    k = min(k, len(items))
+    if k <= len(batches):
+        return batches
+    rows = [_rows(it, by_id) for it in items]
+    total, out, acc = sum(rows), [[]], 0
+    for i, (it, r) in enumerate(zip(items, rows)):
+        left_items, left_batches = len(items) - i, k - len(out)
+        # close the batch at its share of the rows, or when each later batch needs an item of its own
+        if out[-1] and left_batches > 0 and (acc >= total * len(out) / k or left_items <= left_batches):
+            out.append([])
+        out[-1].append(it)
+        acc += r
+    return out
+
+
 def _rows(item: Item, by_id: dict[str, JobState]) -> int:
     j = by_id[item[1]]
     return j.eval_rows if item[0] == ItemKind.EVAL else j.group_size
@@ -337,6 +381,8 @@ def plan(s: Snapshot) -> Plan:
         batches.append(batch)
     if s.min_batch_rows > 0:
         batches = _hold_back(batches, by_id, s.min_batch_rows)
+    if batches:  # work that fits fewer batches than there are idle workers goes to all of them
+        batches = _spread(batches, min(free, idle_workers(s)), by_id)
     dispatched: dict[str, int] = {}
     for batch in batches:
         for kind, jid, g in batch:

@@ -28,10 +28,13 @@ explicitly so a model's generation_config defaults (e.g. top_k=50) never apply.
 `prompt_logprobs(ref, tokens, last_n)` (Tinker's prompt logprobs) is one forward on the same adapter
 paths.
 
-Seeds: if any request of a group carries a seed, the group samples under a forked torch RNG seeded
-with a value derived from all seeds of that group (in order) and the group's settings, so the same
-call is reproducible; the process-wide RNG is left untouched. Rows are not independent streams:
-changing one request of a group changes the samples of the others.
+Seeds: a sampled row of a request with a seed draws from a stream of its own
+(`marlaas.generate.sampling.RowSampler`: one uniform per token from a generator seeded by the
+request's seed and the row's index in it, inverse CDF over the processed distribution), so its
+samples do not depend on what else is in the call: the same request gives the same completions
+alone, in a batch of other tenants' rows, or with its step split over several calls and workers.
+Rows without a seed (in a call where some have one) get a stream seeded from the process's RNG; a
+call where no row has a seed samples with transformers' own sampler, as before.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from marlaas.generate.engine import (
     safe_adapter_name,
     validate_requests,
 )
+from marlaas.generate.sampling import RowSampler, row_seeds
 from marlaas.generate.stacked_lora import StackedLoRAUnsupported, base_only, stacked_lora
 from marlaas.types import AdapterRef, Completion, GenRequest, GenResult
 
@@ -83,13 +87,6 @@ def _purge_row_hooks(model) -> int:
                 module._forward_pre_hooks_with_kwargs.pop(hid, None)
                 removed += 1
     return removed
-
-
-def _derive_seed(seeds: list[int], salt: tuple) -> int:
-    h = 1469598103934665603
-    for v in (*seeds, *[hash(x) & 0xFFFFFFFF for x in salt]):
-        h = ((h ^ (int(v) & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
-    return h & 0x7FFFFFFFFFFFFFFF
 
 
 class _RowStops:
@@ -326,7 +323,7 @@ class HFEngine(GenerationEngine):
 
     def _run_group(self, requests, idxs, names, key, ignore_eos, results, matchers) -> None:
         import torch
-        from transformers import GenerationConfig, StoppingCriteriaList
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
         greedy, temperature, max_new, top_k, top_p = key
         prompts: list[list[int]] = []
@@ -345,10 +342,19 @@ class HFEngine(GenerationEngine):
                                  device=self.device)
         # Unset fields get transformers' global defaults (top_k=50!), so truncation is set explicitly
         # (top_k=0, top_p=1.0: off unless asked); greedy leaves the sampling-only fields alone.
-        sampling = {} if greedy else dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=None,
-                                          typical_p=1.0)
+        seeded = not greedy and any(requests[i].seed is not None for i in idxs)
+        sampler = None
+        if seeded:  # each row samples from its own stream (_RowSampler); the call itself runs greedy
+            seeds_by_row: list[int] = []
+            for i in idxs:
+                sd = requests[i].seed
+                seeds_by_row += (row_seeds(sd, requests[i].n) if sd is not None else
+                                 [int(x) for x in torch.randint(0, 2**62, (requests[i].n,)).tolist()])
+            sampler = RowSampler(seeds_by_row, temperature, top_k, top_p)
+        sampling = {} if greedy or seeded else dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=None,
+                                                    typical_p=1.0)
         gc = GenerationConfig(
-            do_sample=not greedy,
+            do_sample=not greedy and not seeded,
             **sampling,
             repetition_penalty=1.0,
             max_new_tokens=max_new,
@@ -356,12 +362,13 @@ class HFEngine(GenerationEngine):
             pad_token_id=pad,
             eos_token_id=None if ignore_eos else list(self.eos_ids),
             return_dict_in_generate=True,
-            output_scores=True,
+            output_scores=sampler is None,
         )
         kwargs = dict(input_ids=input_ids, attention_mask=attention, generation_config=gc)
+        if sampler is not None:
+            kwargs["logits_processor"] = LogitsProcessorList([sampler])
         if any(row_stops):
             kwargs["stopping_criteria"] = StoppingCriteriaList([_RowStops(row_stops, width)])
-        seeds = [requests[i].seed for i in idxs if requests[i].seed is not None]
         distinct = set(row_adapters)
 
         def call():
@@ -386,15 +393,13 @@ class HFEngine(GenerationEngine):
                 raise
 
         with torch.inference_mode():
-            if seeds:
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(_derive_seed(seeds, (greedy, temperature, max_new, len(prompts))))
-                    out = call()
-            else:
-                out = call()
+            out = call()
             gen = out.sequences[:, width:]
-            scores = torch.stack(out.scores, dim=1).float()  # [rows, steps, vocab], processed
-            logp = torch.log_softmax(scores, dim=-1).gather(-1, gen.unsqueeze(-1)).squeeze(-1)
+            if sampler is not None:
+                logp = torch.stack(sampler.logprobs, dim=1)  # [rows, steps], under the warped distribution
+            else:
+                scores = torch.stack(out.scores, dim=1).float()  # [rows, steps, vocab], processed
+                logp = torch.log_softmax(scores, dim=-1).gather(-1, gen.unsqueeze(-1)).squeeze(-1)
 
         eos = set() if ignore_eos else set(self.eos_ids)
         gen_l = gen.tolist()

@@ -394,3 +394,24 @@ def test_prompt_logprobs_last_n_match_a_plain_forward(world, engines):
     assert last[:-3] == [None] * (len(ids) - 3) and last[-3:] == pytest.approx(want[-3:], abs=1e-4)
     with pytest.raises(ValueError, match="prompt_logprobs_last_n must be in 1.."):
         eng.prompt_logprobs(A1, ids, last_n=len(ids))
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_seeded_request_samples_the_same_alone_or_in_any_batch(world, engines, kind):
+    """A step's groups split over several calls (several generate workers) draw exactly the samples of
+    one call with the same seeds, and a tenant's request draws the same alone as beside others' rows."""
+    eng, _ = engines(kind)
+    reqs = [GenRequest(f"g{j}", PROMPTS[j % len(PROMPTS)], (A1, A2, None)[j % 3], n=4, temperature=1.0,
+                       max_new_tokens=8, seed=50 + j) for j in range(6)]
+    whole = eng.generate(reqs)
+    parts = eng.generate(reqs[:2]) + eng.generate(reqs[2:5]) + eng.generate(reqs[5:])
+    alone = eng.generate([reqs[3]])
+
+    def toks(rs):
+        return [[c.token_ids for c in r.completions] for r in rs]
+
+    assert toks(whole) == toks(parts) and toks(whole[3:4]) == toks(alone)
+    for a, b in zip(whole, parts):
+        for ca, cb in zip(a.completions, b.completions):
+            assert ca.logprobs == pytest.approx(cb.logprobs, abs=1e-4)
+    assert len({tuple(c.token_ids) for r in whole for c in r.completions}) > 6  # it does sample

@@ -325,3 +325,62 @@ def test_the_default_plan_weight_is_the_stores_fallback():
     from marlaas.store.tenants import DEFAULT_PLAN_WEIGHT
 
     assert Quotas().weight == DEFAULT_PLAN_WEIGHT
+
+
+def test_a_lone_jobs_step_is_spread_over_the_idle_generate_workers():
+    lone = job("j1", staleness=0)  # 4 groups of 8 rows: one batch of 256 rows would hold them all
+    assert [len(b) for b in plan(Snapshot(jobs=(lone,), gen_capacity=4, gen_workers=2)).gen_batches] == [2, 2]
+    four = plan(Snapshot(jobs=(lone,), gen_capacity=8, gen_workers=4)).gen_batches
+    assert [[it[2] for it in b] for b in four] == [[0], [1], [2], [3]]  # in order, one group each
+    # one worker busy: one idle worker, one batch; workers unknown: one batch as before
+    busy = plan(Snapshot(jobs=(lone,), gen_capacity=4, gen_workers=2, gen_inflight=1))
+    assert [len(b) for b in busy.gen_batches] == [4]
+    assert [len(b) for b in plan(Snapshot(jobs=(lone,), gen_capacity=4)).gen_batches] == [4]
+    # more workers than groups: one group per batch, no empty batch
+    assert [len(b) for b in plan(Snapshot(jobs=(lone,), gen_capacity=16, gen_workers=8)).gen_batches] == [1] * 4
+    # the spread never exceeds the free batches, and leaves full batches as they are
+    assert len(plan(Snapshot(jobs=(lone,), gen_capacity=2, gen_inflight=1, gen_workers=8)).gen_batches) == 1
+    full = plan(Snapshot(jobs=(job("j1", staleness=0), job("j2", staleness=0)), gen_capacity=4, gen_workers=2,
+                         batch_rows=32))
+    assert [len(b) for b in full.gen_batches] == [4, 4] and full.dispatched == {"j1": 4, "j2": 4}
+
+
+def test_a_spread_keeps_the_order_and_balances_rows():
+    ev = job("j1", staleness=0, need_eval=(0,), eval_rows=24)  # the evaluation (24 rows) and 4 groups of 8
+    b = plan(Snapshot(jobs=(ev,), gen_capacity=4, gen_workers=2)).gen_batches
+    flat = [it for x in b for it in x]
+    assert flat == [it for x in plan(Snapshot(jobs=(ev,), gen_capacity=4)).gen_batches for it in x]
+    assert [sum(24 if it[0] == "eval" else 8 for it in x) for x in b] == [32, 24]
+
+
+def test_a_tinker_model_waits_for_a_job_before_it_whose_next_step_is_near():
+    """A job is ready only between generation and training; a model with ops is ready all the time. Had
+    the lane gone to the model in every gap, a fast job would have got a step per grant, whatever the
+    passes (bench/neighbours.py: 0.21 of its steps under a forward_backward flood)."""
+    m = (model("m1", pass_value=5.0, tenant="b"),)
+    near = (job("j1", pass_value=2.0, tenant="a", stepping=True),)  # not ready yet, its step is moments away
+    assert choose_trainer(near, m) is None
+    p = plan(Snapshot(jobs=near, tinker=m))
+    assert (p.train, p.tinker) == (None, None)  # the lane waits
+    stuck = (job("j1", pass_value=2.0, tenant="a"),)  # not stepping (e.g. a slow grader): never holds the lane
+    assert choose_trainer(stuck, m).id == "m1"
+    caught_up = (job("j1", pass_value=6.0, tenant="a", stepping=True),)  # past the model's pass: the model's turn
+    assert choose_trainer(caught_up, m).id == "m1"
+    ready = (job("j1", pass_value=2.0, tenant="a", stepping=True, ready=True),)
+    assert choose_trainer(ready, m).id == "j1"
+    # between jobs nothing waits: job steps are short, the ready one goes
+    two = (job("j1", pass_value=1.0, stepping=True), job("j2", pass_value=3.0, ready=True))
+    assert choose_trainer(two).id == "j2"
+
+
+def test_stride_with_a_stepping_job_gives_the_model_its_share_and_no_more():
+    """A job ready every other tick (its generation between) and a model always ready, equal weights:
+    the job gets its turns as if it were always ready."""
+    passes, picks = {"j1": 0.0, "m1": 0.0}, Counter()
+    for t in range(400):
+        jobs = (job("j1", ready=t % 2 == 0, stepping=True, tenant="a", pass_value=passes["j1"]),)
+        pick = choose_trainer(jobs, (model("m1", tenant="b", pass_value=passes["m1"]),))
+        if pick is not None:
+            picks[pick.id] += 1
+            passes[pick.id] += 1.0
+    assert abs(picks["j1"] - picks["m1"]) <= 2 and picks["j1"] >= 130, picks

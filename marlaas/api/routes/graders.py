@@ -22,8 +22,9 @@ from starlette.concurrency import run_in_threadpool
 from marlaas.api import tenancy
 from marlaas.api.access import Principal
 from marlaas.api.deps import Caller, service
-from marlaas.api.dryruns import DryRuns
+from marlaas.api.dryruns import WALL_S, DryRuns
 from marlaas.api.models import GraderIn, RunIn, RunOut
+from marlaas.api.ratelimit import SharedCap
 from marlaas.api.responses import AUTHENTICATED, Declared, errors
 from marlaas.api.service import Service
 from marlaas.verify import boundary
@@ -52,7 +53,8 @@ def dry_runs(request: Request, svc: Service) -> DryRuns:
     with _MADE:
         runs = getattr(request.app.state, "dry_runs", None)
         if runs is None:
-            runs = request.app.state.dry_runs = DryRuns(home=str(svc.home))
+            caps = SharedCap(svc.store.r, "dry-runs", ttl_s=WALL_S + 30)  # a dry run ends within WALL_S
+            runs = request.app.state.dry_runs = DryRuns(home=str(svc.home), caps=caps)
         return runs
 
 

@@ -22,9 +22,10 @@ from marlaas.api import preflight, tenancy
 from marlaas.api.access import Principal
 from marlaas.api.deps import Caller, service
 from marlaas.api.models import CheckpointList, EventPage, JobDeleted, JobList, JobOut
+from marlaas.api.ratelimit import SharedCap
 from marlaas.api.responses import AUTHENTICATED, Declared, errors
 from marlaas.api.service import Service
-from marlaas.errors import MarlaasError, RateLimited, SpecError
+from marlaas.errors import MarlaasError, RateLimited, SpecError, StoreUnavailable
 from marlaas.types import TERMINAL_STATUSES
 from marlaas.verify import evaluation
 
@@ -106,32 +107,58 @@ async def events(request: Request, job_id: str, after: float | None = Query(None
     poll_s = request.app.state.settings.sse_poll_s
     plan = None if p.tenant is None else await run_in_threadpool(tenancy.plan_of, svc.store, p.tenant)
     cap = None if plan is None else plan.max_event_streams
-    release = _open_stream(request, p.tenant, cap)
-    stream = _sse(request, svc, p, job_id, first, poll_s, release)
-    weakref.finalize(stream, release)  # a stream never started (the client left first) closes too
+    hold = await run_in_threadpool(_open_stream, request, svc, p.tenant, cap)
+    stream = _sse(request, svc, p, job_id, first, poll_s, hold)
+    weakref.finalize(stream, hold.release)  # a stream never started (the client left first) closes too
     return StreamingResponse(stream, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _open_stream(request: Request, tenant: str | None, cap: int | None):
-    """Count an event stream of `tenant` in this process (RateLimited past `cap`, its plan's
-    `max_event_streams`; None: the open single user or the operator, no plan); returns what closes it
-    (once, however often it is called). Runs on the event loop's thread: the counts need no lock."""
+STREAM_HOLD_S = 60.0
+"""An open event stream's place in its tenant's `max_event_streams` lasts this long unless renewed;
+the stream renews it every poll, so a killed API process frees its streams' places within this time."""
+
+
+class _StreamHold:
+    """One event stream's place among its tenant's (`max_event_streams`, across every API process);
+    `release` frees it once, however often it is called."""
+
+    def __init__(self, caps: SharedCap | None, tenant: str | None, hold: str | None):
+        self.caps, self.tenant, self.hold, self.renewed = caps, tenant, hold, time.monotonic()
+
+    def renew(self) -> None:
+        if self.hold is not None and time.monotonic() - self.renewed > STREAM_HOLD_S / 4:
+            self.renewed = time.monotonic()
+            self.caps.renew(self.tenant, self.hold)
+
+    def release(self) -> None:
+        hold, self.hold = self.hold, None
+        if hold is not None:
+            try:
+                self.caps.release(self.tenant, hold)
+            except StoreUnavailable:
+                pass  # the place frees itself within STREAM_HOLD_S
+
+
+def _stream_caps(request: Request, svc: Service) -> SharedCap:
+    caps = getattr(request.app.state, "stream_caps", None)
+    if caps is None:
+        caps = request.app.state.stream_caps = SharedCap(svc.store.r, "event-streams", STREAM_HOLD_S)
+    return caps
+
+
+def _open_stream(request: Request, svc: Service, tenant: str | None, cap: int | None) -> _StreamHold:
+    """Hold a place for an event stream of `tenant` (RateLimited past `cap`, its plan's
+    `max_event_streams`, counted over every API process; None: the open single user or the operator,
+    no plan)."""
     if tenant is None or cap is None:
-        return lambda: None
-    streams = request.app.state.event_streams
-    if streams.get(tenant, 0) >= cap:
+        return _StreamHold(None, tenant, None)
+    caps = _stream_caps(request, svc)
+    hold = caps.take(tenant, cap)
+    if hold is None:
         raise RateLimited(f"at most {cap} event streams open at once (your plan's max_event_streams): "
                           "close one, or read pages with Accept: application/json", 5.0)
-    streams[tenant] = streams.get(tenant, 0) + 1
-    open_ = [True]
-
-    def release() -> None:
-        if open_:
-            open_.clear()
-            streams[tenant] -= 1
-
-    return release
+    return _StreamHold(caps, tenant, hold)
 
 
 @router.get("/{job_id}/metrics")
@@ -177,11 +204,12 @@ def _sse_message(event: str, data: Any, cursor: float | None = None) -> str:
 
 
 async def _sse(request: Request, svc: Service, p: Principal, job_id: str, page: dict, poll_s: float,
-               release=lambda: None):
+               hold: _StreamHold | None = None):
     """The event stream: each timeline event, a `status` event whenever status or version changes,
     and `end` (the final summary) once the job has ended; a comment line every 15 s keeps proxies open.
-    An error after the stream started is sent as an `error` event, then the stream ends. `release`
-    runs once the stream ends, however it ends."""
+    An error after the stream started is sent as an `error` event, then the stream ends. `hold` (its
+    place among the tenant's streams) is renewed while it lasts and released once it ends, however it
+    ends."""
     seen, quiet_since = None, time.monotonic()
     try:
         while True:
@@ -202,8 +230,11 @@ async def _sse(request: Request, svc: Service, p: Principal, job_id: str, page: 
                     quiet_since = time.monotonic()
             if await request.is_disconnected():
                 return
+            if hold is not None:
+                await run_in_threadpool(hold.renew)
             page = await run_in_threadpool(svc.events, p, job_id, page["next"], 1000)
     except MarlaasError as e:
         yield _sse_message("error", {"type": type(e).__name__, "message": str(e)})
     finally:
-        release()
+        if hold is not None:
+            hold.release()
