@@ -113,7 +113,7 @@ class TickMemory:
         seen = self.progress.setdefault(url, {})
         out = []
         for j in jobs:  # keyed by (url, id, created): an id reused after a flushed DB is another job
-            mark = (j.state.version, j.state.dispatched)
+            mark = _mark(j)
             prev = seen.get(j.key)
             if prev is None or prev[0] != mark:
                 seen[j.key] = (mark, now)
@@ -131,19 +131,24 @@ class TickMemory:
         out = set()
         for j in jobs:
             prev = seen.get(j.key)
-            if prev is None or prev[0] != (j.state.version, j.state.dispatched) or now - prev[1] < within_s:
+            if prev is None or prev[0] != _mark(j) or now - prev[1] < within_s:
                 out.add(j.id)
         return out
 
     def restart_clock(self, url: str, jobs: list, now: float) -> None:
         seen = self.progress.setdefault(url, {})
         for j in jobs:
-            seen[j.key] = ((j.state.version, j.state.dispatched), now)
+            seen[j.key] = (_mark(j), now)
 
     def remember_evals(self, keys) -> None:
         if len(self.evals_done) >= 1_000_000:
             self.evals_done.clear()
         self.evals_done.update(keys)
+
+
+def _mark(j) -> tuple[int, int]:
+    """A job's progress as the watchdog's clock sees it: (version, dispatched)."""
+    return j.state.version, j.state.dispatched
 
 
 MEMORY = TickMemory()

@@ -196,7 +196,7 @@ def choose_trainer(jobs: tuple[JobState, ...] | list[JobState],
     if not ready:
         return None
     best = min(ready, key=trainer_order)
-    if best.ready and any(best is m for m in tinker) and any(
+    if any(best is m for m in tinker) and any(
             j.stepping and j.training and not j.ready and trainer_order(j) < trainer_order(best) for j in jobs):
         return None  # a Tinker grant is long: the lane waits for the job before it whose step is near
     return best

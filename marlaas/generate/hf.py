@@ -344,7 +344,7 @@ class HFEngine(GenerationEngine):
         # (top_k=0, top_p=1.0: off unless asked); greedy leaves the sampling-only fields alone.
         seeded = not greedy and any(requests[i].seed is not None for i in idxs)
         sampler = None
-        if seeded:  # each row samples from its own stream (_RowSampler); the call itself runs greedy
+        if seeded:  # each row samples from its own stream (RowSampler); the call itself runs greedy
             seeds_by_row: list[int] = []
             for i in idxs:
                 sd = requests[i].seed

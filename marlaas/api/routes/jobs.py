@@ -126,10 +126,13 @@ class _StreamHold:
     def __init__(self, caps: SharedCap | None, tenant: str | None, hold: str | None):
         self.caps, self.tenant, self.hold, self.renewed = caps, tenant, hold, time.monotonic()
 
+    def due(self) -> bool:
+        """Whether the hold's time limit should be moved on now (a quarter of it has passed)."""
+        return self.hold is not None and time.monotonic() - self.renewed > STREAM_HOLD_S / 4
+
     def renew(self) -> None:
-        if self.hold is not None and time.monotonic() - self.renewed > STREAM_HOLD_S / 4:
-            self.renewed = time.monotonic()
-            self.caps.renew(self.tenant, self.hold)
+        self.renewed = time.monotonic()
+        self.caps.renew(self.tenant, self.hold)
 
     def release(self) -> None:
         hold, self.hold = self.hold, None
@@ -230,7 +233,7 @@ async def _sse(request: Request, svc: Service, p: Principal, job_id: str, page: 
                     quiet_since = time.monotonic()
             if await request.is_disconnected():
                 return
-            if hold is not None:
+            if hold is not None and hold.due():  # a Redis call, off the event loop, every STREAM_HOLD_S / 4
                 await run_in_threadpool(hold.renew)
             page = await run_in_threadpool(svc.events, p, job_id, page["next"], 1000)
     except MarlaasError as e:
