@@ -271,7 +271,8 @@ class JobSpec(BaseModel):
     """How much the mean training reward must rise over the evaluation interval (its last steps against
     its first ones) for the alarm; 0 = any rise."""
     pause_on_reward_hacking: bool = False
-    """Pause the job (resumable) when the reward-hacking alarm fires before its last version."""
+    """Pause the job (resumable) when the reward-hacking alarm fires while it is still training (the
+    alarm's event says whether it paused)."""
     preflight: bool = False
     """A learnability check instead of training: sample the base (version 0) on `preflight_prompts`
     training prompts with `group_size` completions each, score them with the job's verifier or grader,

@@ -40,13 +40,18 @@ class ObserveOps:
         """Tell the job's tenant something (a grader error, a warning): a timeline entry {type: kind,
         at, data}. With `phase`, at most `limit` notices per phase are kept (a counter in the job
         record, `notices:<phase>`): returns False for one over the limit (nothing written)."""
-        if phase is not None and self.r.hincrby(job_key(jid), f"notices:{phase}", 1) > limit:
+        if phase is not None and not self.claim_notice(jid, phase, limit):
             return False
         p = self.r.pipeline()
         p.rpush(notices_key(jid), json.dumps({"type": kind, "at": time.time(), "data": data}))
         p.ltrim(notices_key(jid), -NOTICES_CAP, -1)
         p.execute()
         return True
+
+    def claim_notice(self, jid: str, phase: str, limit: int) -> bool:
+        """Count one notice of `phase` (a counter in the job record, `notices:<phase>`): False once
+        `limit` were counted, so a caller acts and tells at most `limit` times per phase."""
+        return self.r.hincrby(job_key(jid), f"notices:{phase}", 1) <= limit
 
     def notices(self, jid: str, since: float = 0.0) -> list[dict]:
         """The job's notices after time `since`, oldest first."""

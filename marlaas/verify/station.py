@@ -17,7 +17,7 @@ import time
 from marlaas import families
 from marlaas.store import Store
 from marlaas.tools import agentic
-from marlaas.types import ACTIVE_STATUSES, ItemKind, eval_versions
+from marlaas.types import ACTIVE_STATUSES, ItemKind, JobStatus, eval_versions
 from marlaas.verify import evaluation
 from marlaas.verify.alarm import reward_hacking
 
@@ -101,13 +101,15 @@ def run_verify(store: Store, jid: str, kind: str, idxs: list[int], tool_url: str
 def check_reward_hacking(store: Store, jid: str, spec, v: int) -> bool:
     """After the evaluation of version v: the reward-hacking alarm (`marlaas.verify.alarm`) as a
     warning notice, once per version; with `pause_on_reward_hacking`, a job still training is paused
-    (resumable). True when it fired."""
+    (resumable). One whose training is over (evaluating its last versions) is not: there is nothing
+    left to stop. The notice's `paused` says which. True when it fired."""
     alarm = reward_hacking(store.best(jid)["exact"], evaluation.train_rewards(store.metrics(jid)), v,
                            spec.reward_hacking_drop, spec.reward_hacking_rise)
-    if alarm is None or not store.add_notice(jid, "warning", alarm.data(), phase=f"hacking:{v}", limit=1):
+    if alarm is None or not store.claim_notice(jid, f"hacking:{v}", 1):
         return False
-    log.warning("job %s: %s", jid, alarm.message())
-    if spec.pause_on_reward_hacking and v < spec.steps:
-        store.transition_status(jid, ACTIVE_STATUSES, "paused")
+    paused = (spec.pause_on_reward_hacking and v < spec.steps
+              and store.transition_status(jid, (JobStatus.RUNNING.value,), JobStatus.PAUSED.value)
+              == JobStatus.RUNNING.value)
+    store.add_notice(jid, "warning", {**alarm.data(), "paused": paused})
+    log.warning("job %s: %s%s", jid, alarm.message(), " (paused)" if paused else "")
     return True
-

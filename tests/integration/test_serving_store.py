@@ -144,4 +144,17 @@ def test_the_alarm_is_a_warning_notice_once_and_pauses_when_asked(st):
         assert not check_reward_hacking(st, jid, spec, 4)  # a duplicate evaluation: one notice
         notes = [n for n in st.notices(jid) if n["data"].get("alarm") == "reward_hacking"]
         assert len(notes) == 1 and notes[0]["type"] == "warning" and notes[0]["data"]["version"] == 4
+        assert notes[0]["data"]["paused"] is pause
         assert st.job(jid).status == ("paused" if pause else "running")
+    # training over (final evaluations pending): nothing to stop, the notice says it did not pause
+    spec = JobSpec(task="add", steps=8, eval_every=4, pause_on_reward_hacking=True)
+    jid = st.create_job(spec, rows, rows)
+    st.put_eval_result(jid, 0, _ev(0.5))
+    for s, reward in enumerate((0.1, 0.2, 0.6, 0.8), start=1):
+        st.r.rpush(metrics_key(jid), json.dumps({"step": s, "reward_mean": reward}))
+    st.transition_status(jid, ("running",), "evaluating")
+    st.put_eval_result(jid, 4, _ev(0.25))
+    assert check_reward_hacking(st, jid, spec, 4)
+    notes = [n for n in st.notices(jid) if n["data"].get("alarm") == "reward_hacking"]
+    assert len(notes) == 1 and notes[0]["data"]["paused"] is False
+    assert st.job(jid).status == "evaluating"
