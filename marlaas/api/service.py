@@ -210,15 +210,17 @@ class Service:
         named). `next` is the cursor of the following page; `more` says whether one exists."""
         rec = self.record(principal, job_id)
         since = rec.created if after is None else float(after)
-        evs = [{"type": "step", "at": m["at"], "data": m} for m in self.store.metrics(job_id) if m.get("at", 0) > since]
+        # Each kind is read a page at a time (at most limit + 1 after `since`): the page's cost does not
+        # grow with the job's length or with other tenants' activity. The first `limit` of the merge
+        # lie within the first `limit` of each kind.
+        n = max(limit, 1)
+        evs = [{"type": "step", "at": m["at"], "data": m} for m in self.store.metrics_after(job_id, since, n + 1)]
         evs += [{"type": "eval", "at": e["at"], "data": table_row(v, e)}
                 for v, e in sorted(self.store.evals(job_id).items()) if (e.get("at") or 0) > since]
-        evs += [{"type": "task", "at": e["end"],
-                 "data": {"station": e["station"], "start": e["start"], "end": e["end"]}}
-                for e in self.store.events_since(since) if job_id in e["jobs"] and e["end"] > since]
-        evs += self.store.notices(job_id, since)  # grader_error / warning: what the tenant must be told
+        evs += [{"type": "task", "at": e["end"], "data": e} for e in self.store.job_tasks(job_id, since, n + 1)]
+        evs += self.store.notices(job_id, since, n + 1)  # grader_error / warning: what the tenant must be told
         evs.sort(key=lambda e: e["at"])
-        page = evs[:max(limit, 1)]
+        page = evs[:n]
         return {"job": job_id, "status": rec.status, "version": rec.version, "events": page,
                 "next": page[-1]["at"] if page else since, "more": len(evs) > len(page)}
 

@@ -21,6 +21,8 @@ Key schema (prefix `m:`):
   m:job:{j}:metrics             list of JSON, one per published step
   m:job:{j}:notices             list of JSON {type, at, data}: what the job's tenant is told (grader errors,
                                 warnings), capped; kept with the metrics
+  m:job:{j}:tasks               list of JSON {station, start, end}: the station tasks that worked on the
+                                job (its own copy of m:events, capped), read a page at a time
   m:leases                      zset work item -> deadline (re-dispatched when expired)
   m:job:{j}:leases              set: the job's lease index, every item it ever leased (a superset of
                                 its live leases; set_status drops them without walking m:leases)
@@ -172,6 +174,7 @@ class Store(ServingOps, JobOps, WorkOps, LaneOps, TenantOps, ObserveOps, Hygiene
         self._claim = self.r.register_script(scripts.CLAIM)
         self._replace = self.r.register_script(scripts.REPLACE_ATTEMPT)
         self._drop_cont = self.r.register_script(scripts.DROP_CONT)
+        self._list_after = self.r.register_script(scripts.LIST_AFTER)
         self._init_tick_scripts()
 
     # ---------------------------------------------------------------- connectivity

@@ -99,6 +99,10 @@ def notices_key(j: str) -> str:
     return f"{P}job:{j}:notices"
 
 
+def job_tasks_key(j: str) -> str:
+    return f"{P}job:{j}:tasks"
+
+
 def lease_index_key(j: str) -> str:
     return f"{P}job:{j}:leases"
 

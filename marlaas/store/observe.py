@@ -10,6 +10,7 @@ from marlaas.store.keys import (
     BASE_MANIFEST,
     EVENTS,
     job_key,
+    job_tasks_key,
     metrics_key,
     notices_key,
 )
@@ -17,6 +18,8 @@ from marlaas.store.keys import (
 EVENTS_CAP = 200_000
 NOTICES_CAP = 1000
 """A job keeps at most this many notices (the newest)."""
+JOB_TASKS_CAP = 5000
+"""A job keeps the newest this many of its task events (its timeline's `task` entries)."""
 
 class ObserveOps:
     """Events, reads for metrics and reports, the base model's files (mixed into marlaas.store.Store)."""
@@ -29,7 +32,25 @@ class ObserveOps:
         p = self.r.pipeline()
         p.rpush(EVENTS, json.dumps(ev))
         p.ltrim(EVENTS, -EVENTS_CAP, -1)
+        # each job's own copy, so reading one job's timeline never walks every tenant's events
+        mine = json.dumps({"station": station, "start": start, "end": end})
+        for j in ev["jobs"]:
+            p.rpush(job_tasks_key(j), mine)
+            p.ltrim(job_tasks_key(j), -JOB_TASKS_CAP, -1)
         p.execute()
+
+    def list_after(self, key: str, field: str, since: float, count: int) -> list[dict]:
+        """The first `count` elements of the list `key` (JSON objects in ascending order of `field`)
+        whose `field` is after `since`: O(log n + count) in one script call, whatever the list's length."""
+        return [json.loads(x) for x in self._list_after(keys=[key], args=[since, field, count])]
+
+    def job_tasks(self, jid: str, since: float, count: int) -> list[dict]:
+        """The job's first `count` task events {station, start, end} that ended after `since`."""
+        return self.list_after(job_tasks_key(jid), "end", since, count)
+
+    def metrics_after(self, jid: str, since: float, count: int) -> list[dict]:
+        """The job's first `count` published steps' metrics after time `since` (a page of the list)."""
+        return self.list_after(metrics_key(jid), "at", since, count)
 
     def events(self, since: float = 0.0) -> list[dict]:
         evs = [json.loads(x) for x in self.r.lrange(EVENTS, 0, -1)]
@@ -53,9 +74,9 @@ class ObserveOps:
         `limit` were counted, so a caller acts and tells at most `limit` times per phase."""
         return self.r.hincrby(job_key(jid), f"notices:{phase}", 1) <= limit
 
-    def notices(self, jid: str, since: float = 0.0) -> list[dict]:
-        """The job's notices after time `since`, oldest first."""
-        return [n for n in (json.loads(x) for x in self.r.lrange(notices_key(jid), 0, -1)) if n["at"] > since]
+    def notices(self, jid: str, since: float = 0.0, count: int = NOTICES_CAP) -> list[dict]:
+        """The job's first `count` notices after time `since`, oldest first."""
+        return self.list_after(notices_key(jid), "at", since, count)
 
     # ---------------------------------------------------------------- observability (metrics, reports)
     def last_metrics(self, jid: str) -> dict | None:

@@ -297,3 +297,19 @@ local v = redis.call('GET', KEYS[1])
 if v and string.find(v, ARGV[1], 1, true) then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+
+LIST_AFTER = """
+-- KEYS[1] a list of JSON objects in ascending order of the number ARGV[2] names; returns the (at most
+-- ARGV[3]) elements after the first whose ARGV[2] > ARGV[1]: a binary search of LINDEX reads, so one
+-- page costs O(log n + page), not the whole list.
+local n = redis.call('LLEN', KEYS[1])
+local lo, hi, since = 0, n, tonumber(ARGV[1])
+while lo < hi do
+  local mid = math.floor((lo + hi) / 2)
+  local v = cjson.decode(redis.call('LINDEX', KEYS[1], mid))[ARGV[2]]
+  if type(v) == 'number' and v > since then hi = mid else lo = mid + 1 end
+end
+if lo >= n then return {} end
+return redis.call('LRANGE', KEYS[1], lo, lo + tonumber(ARGV[3]) - 1)
+"""

@@ -1,5 +1,6 @@
 """Prometheus metrics: the exposition format (pure), values read back from a real store, the HTTP server."""
 
+import json
 import re
 import threading
 import time
@@ -181,6 +182,29 @@ def test_events_since_reads_only_the_tail(st):
     got = st.events_since(now - 80, chunk=4)
     assert [round(e["start"] - now) for e in got] == list(range(-80, -75))
     assert len(st.events_since(0, chunk=4)) == 25
+
+
+@pytest.mark.integration
+def test_a_job_reads_its_own_task_events_a_page_at_a_time(st):
+    from marlaas.store.keys import job_tasks_key
+
+    now = time.time()
+    for i in range(40):  # j1 in every task, j2 in every fourth, j3 never
+        st.record_event("generate", now - 100 + i, now - 100 + i + 0.5, ["j1"] + ["j2"] * (i % 4 == 0), "w")
+    assert st.r.llen(job_tasks_key("j1")) == 40 and st.r.llen(job_tasks_key("j2")) == 10
+    got = st.job_tasks("j1", now - 80, 3)  # ends -99.5, -98.5, ...: the first three after -80
+    assert [round(e["end"] - now, 1) for e in got] == [-79.5, -78.5, -77.5]
+    assert set(got[0]) == {"station", "start", "end"}  # batch-mates are not named
+    assert [round(e["end"] - now, 1) for e in st.job_tasks("j2", now - 90, 100)] == [-87.5, -83.5, -79.5, -75.5,
+                                                                                    -71.5, -67.5, -63.5]
+    assert st.job_tasks("j1", now, 5) == [] and st.job_tasks("j3", 0, 5) == []
+    assert len(st.job_tasks("j1", 0, 1000)) == 40
+    # the same page read on any list of JSON in order of a field; an element without it counts as early
+    key = "m:test:list"
+    st.r.rpush(key, json.dumps({"x": 1}), *[json.dumps({"at": t}) for t in (1.0, 2.5, 2.5, 4.0)])
+    assert st.list_after(key, "at", 2.5, 10) == [{"at": 4.0}]
+    assert st.list_after(key, "at", 0.5, 2) == [{"at": 1.0}, {"at": 2.5}]
+    assert st.list_after(key, "at", 4.0, 10) == []
 
 
 @pytest.mark.integration

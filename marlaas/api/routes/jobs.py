@@ -100,15 +100,11 @@ async def events(request: Request, job_id: str, after: float | None = Query(None
             after = float(last_event_id)
         except ValueError:
             raise SpecError(f"invalid request: Last-Event-ID {last_event_id!r} is not a cursor") from None
-    first = await run_in_threadpool(svc.events, p, job_id, after, limit)
     accept = request.headers.get("accept", "")
     if "application/json" in accept and "text/event-stream" not in accept:
-        return first
-    poll_s = request.app.state.settings.sse_poll_s
-    plan = None if p.tenant is None else await run_in_threadpool(tenancy.plan_of, svc.store, p.tenant)
-    cap = None if plan is None else plan.max_event_streams
-    hold = await run_in_threadpool(_open_stream, request, svc, p.tenant, cap)
-    stream = _sse(request, svc, p, job_id, first, poll_s, hold)
+        return await run_in_threadpool(svc.events, p, job_id, after, limit)
+    hold, first = await run_in_threadpool(_open_stream, request, svc, p, job_id, after, limit)
+    stream = _sse(request, svc, p, job_id, first, request.app.state.settings.sse_poll_s, hold)
     weakref.finalize(stream, hold.release)  # a stream never started (the client left first) closes too
     return StreamingResponse(stream, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -150,18 +146,25 @@ def _stream_caps(request: Request, svc: Service) -> SharedCap:
     return caps
 
 
-def _open_stream(request: Request, svc: Service, tenant: str | None, cap: int | None) -> _StreamHold:
-    """Hold a place for an event stream of `tenant` (RateLimited past `cap`, its plan's
-    `max_event_streams`, counted over every API process; None: the open single user or the operator,
-    no plan)."""
-    if tenant is None or cap is None:
-        return _StreamHold(None, tenant, None)
+def _open_stream(request: Request, svc: Service, p: Principal, job_id: str, after: float | None,
+                 limit: int) -> tuple[_StreamHold, dict]:
+    """Hold a place for an event stream (RateLimited past the tenant's plan's `max_event_streams`,
+    counted over every API process; no cap for the open single user or the operator), then read its
+    first page: a refused stream costs the place's one Redis call, never a page."""
+    plan = None if p.tenant is None else tenancy.plan_of(svc.store, p.tenant)
+    if plan is None:
+        return _StreamHold(None, p.tenant, None), svc.events(p, job_id, after, limit)
     caps = _stream_caps(request, svc)
-    hold = caps.take(tenant, cap)
+    hold = caps.take(p.tenant, plan.max_event_streams)
     if hold is None:
-        raise RateLimited(f"at most {cap} event streams open at once (your plan's max_event_streams): "
-                          "close one, or read pages with Accept: application/json", 5.0)
-    return _StreamHold(caps, tenant, hold)
+        raise RateLimited(f"at most {plan.max_event_streams} event streams open at once (your plan's "
+                          "max_event_streams): close one, or read pages with Accept: application/json", 5.0)
+    held = _StreamHold(caps, p.tenant, hold)
+    try:
+        return held, svc.events(p, job_id, after, limit)
+    except BaseException:
+        held.release()
+        raise
 
 
 @router.get("/{job_id}/metrics")
