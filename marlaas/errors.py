@@ -105,9 +105,12 @@ class RateLimited(MarlaasError):
 
     status = 429
 
-    def __init__(self, message: str, retry_after: float = 1.0):
+    def __init__(self, message: str, retry_after: float = 1.0, hold_s: float = 0.0):
         super().__init__(message)
         self.retry_after = retry_after
+        self.hold_s = hold_s
+        """Seconds the server waits before it answers (the API's rate limit: a client that ignores
+        Retry-After and asks again at once is answered no faster than it was told it may retry)."""
 
 
 class ServerError(MarlaasError):

@@ -10,7 +10,9 @@ Invariants:
   401, as is an unknown token.
 - Every authenticated request is counted against its caller's rate limit first (keyed by a hash of the
   token, or by the peer address without one; kept in the store's Redis, so one budget across every API
-  process): over the rate it is 429 with Retry-After, before the token is even looked up.
+  process): over the rate it is 429 with Retry-After, before the token is even looked up, answered
+  after a hold of up to RATE_HOLD_S (on the event loop, no thread): a client that floods without
+  waiting gets about one refusal per connection per second, so its refusals cost the API little.
 - Without a token, a request is the open single user only when the app was created open, the peer is
   on loopback and no tenant exists (`Service.authenticate`); otherwise 401.
 - The app keeps one `Service` (app.state.service), one `RateLimiter` (app.state.limiter) and its
@@ -29,6 +31,8 @@ from marlaas.api.service import Service
 from marlaas.errors import RateLimited, Unauthorized
 
 TINKER_KEY_PREFIX = "tml-"
+RATE_HOLD_S = 1.0
+"""Longest hold of a refusal for the rate (its wait, when shorter)."""
 
 
 def loopback(host: str | None) -> bool:
@@ -68,7 +72,7 @@ def principal(request: Request, authorization: str | None = Header(None),
     wait = limiter.take(key)
     if wait > 0:
         raise RateLimited(f"too many requests: at most {limiter.rate:g}/s (burst {limiter.burst}); "
-                          f"retry in {wait:.1f} s", wait)
+                          f"retry in {wait:.1f} s", wait, hold_s=min(wait, RATE_HOLD_S))
     return service(request).authenticate(token, loopback_peer=loopback(peer))
 
 

@@ -3,7 +3,8 @@
 Invariants:
 - Every error is JSON `{"error": {"type", "message"}}`: the type is the error class (`NotFound`,
   `SpecError`, ...), the message its first line, the HTTP status the class's `status`
-  (`marlaas.errors`); RateLimited adds Retry-After. Unhandled exceptions are logged and answered 500
+  (`marlaas.errors`); RateLimited adds Retry-After (at least 1 s); one with a hold (the per-token rate)
+  is answered only after it, on the event loop. Unhandled exceptions are logged and answered 500
   without their text.
 - Request bodies are bounded before they are read whole: a Content-Length over the limit gets 413
   unread; a body without one is counted while it arrives. Uploads (`upload_path`) stream to the route,
@@ -15,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -87,11 +89,21 @@ def error_response(err: MarlaasError, status: int | None = None, type_: str | No
                         status_code=status or err.status, headers=headers)
 
 
+async def hold(err: MarlaasError) -> None:
+    """Wait out a refusal's hold (RateLimited.hold_s) before it is answered: on the event loop, no
+    thread, so a flood that ignores Retry-After gets one refusal per connection per hold and costs the
+    API little CPU (other tenants' share). Its Retry-After is what is left of the wait."""
+    if isinstance(err, RateLimited) and err.hold_s > 0:
+        await asyncio.sleep(err.hold_s)
+        err.retry_after, err.hold_s = max(err.retry_after - err.hold_s, 0.0), 0.0
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map MarlaasError, request validation, Starlette HTTP errors and anything else to the envelope."""
 
     @app.exception_handler(MarlaasError)
     async def marlaas_error(request: Request, exc: MarlaasError) -> JSONResponse:
+        await hold(exc)
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from marlaas.api.app import create_app
+from marlaas.api.deps import RATE_HOLD_S
 from marlaas.api.http_client import Client, extract_archive
 from marlaas.api.service import operator_token
 from marlaas.api.settings import ApiSettings
@@ -358,9 +359,11 @@ def test_rate_limit_is_429_per_token(serve, st):
     ta, tb = add_tenant(st, "alice"), add_tenant(st, "bob")
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ta}"}) as a:
         assert [a.get("/v1/jobs").status_code for _ in range(3)] == [200, 200, 200]
+        t0 = time.monotonic()
         r = a.get("/v1/jobs")
         assert "too many requests" in err(r, 429, "RateLimited")
         assert int(r.headers["Retry-After"]) >= 1
+        assert time.monotonic() - t0 >= 0.95 * RATE_HOLD_S  # the refusal was held (the window's wait is ~6 s)
         assert a.get("/v1/health").status_code == 200  # not limited
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {tb}"}) as b:
         assert b.get("/v1/jobs").status_code == 200  # another token has its own bucket

@@ -39,6 +39,7 @@ from starlette.concurrency import run_in_threadpool
 from marlaas.api import access
 from marlaas.api.access import Principal
 from marlaas.api.deps import Caller, service
+from marlaas.api.middleware import hold
 from marlaas.api.models import ErrorOut
 from marlaas.api.openai import names, wire
 from marlaas.api.responses import AUTHENTICATED, Declared, errors, json_body, openai_errors
@@ -86,6 +87,7 @@ class OpenAIRoute(Declared):
             except RequestValidationError as e:
                 return openai_error(_validation_message(e), 400)
             except MarlaasError as e:
+                await hold(e)
                 return openai_error(e)
 
         return guarded
