@@ -33,8 +33,9 @@ Seeds: a sampled row of a request with a seed draws from a stream of its own
 request's seed and the row's index in it, inverse CDF over the processed distribution), so its
 samples do not depend on what else is in the call: the same request gives the same completions
 alone, in a batch of other tenants' rows, or with its step split over several calls and workers.
-Rows without a seed (in a call where some have one) get a stream seeded from the process's RNG; a
-call where no row has a seed samples with transformers' own sampler, as before.
+Rows without a seed get a stream seeded from the process's RNG. Every sampled call samples this way,
+and a greedy call keeps its log-probs with `GreedyLogprobs`: no call keeps transformers' per-step
+scores (`output_scores`, a [rows, vocab] tensor per step), which set a generate worker's peak memory.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from marlaas.generate.engine import (
     safe_adapter_name,
     validate_requests,
 )
-from marlaas.generate.sampling import RowSampler, row_seeds
+from marlaas.generate.sampling import GreedyLogprobs, RowSampler, row_seeds
 from marlaas.generate.stacked_lora import StackedLoRAUnsupported, base_only, stacked_lora
 from marlaas.types import AdapterRef, Completion, GenRequest, GenResult
 
@@ -340,33 +341,28 @@ class HFEngine(GenerationEngine):
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=self.device)
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long,
                                  device=self.device)
-        # Unset fields get transformers' global defaults (top_k=50!), so truncation is set explicitly
-        # (top_k=0, top_p=1.0: off unless asked); greedy leaves the sampling-only fields alone.
-        seeded = not greedy and any(requests[i].seed is not None for i in idxs)
-        sampler = None
-        if seeded:  # each row samples from its own stream (RowSampler); the call itself runs greedy
+        # transformers itself always decodes greedily here (do_sample False: none of its warpers, so a
+        # model's generation_config defaults such as top_k=50 never apply); a sampled call's draw, with
+        # the request's own top-k / top-p (off unless asked), is RowSampler's.
+        sampler: GreedyLogprobs | RowSampler = GreedyLogprobs()
+        if not greedy:  # each row samples from its own stream (RowSampler); the call itself runs greedy
             seeds_by_row: list[int] = []
             for i in idxs:
                 sd = requests[i].seed
                 seeds_by_row += (row_seeds(sd, requests[i].n) if sd is not None else
                                  [int(x) for x in torch.randint(0, 2**62, (requests[i].n,)).tolist()])
             sampler = RowSampler(seeds_by_row, temperature, top_k, top_p)
-        sampling = {} if greedy or seeded else dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=None,
-                                                    typical_p=1.0)
         gc = GenerationConfig(
-            do_sample=not greedy and not seeded,
-            **sampling,
+            do_sample=False,
             repetition_penalty=1.0,
             max_new_tokens=max_new,
             num_beams=1,
             pad_token_id=pad,
             eos_token_id=None if ignore_eos else list(self.eos_ids),
             return_dict_in_generate=True,
-            output_scores=sampler is None,
         )
-        kwargs = dict(input_ids=input_ids, attention_mask=attention, generation_config=gc)
-        if sampler is not None:
-            kwargs["logits_processor"] = LogitsProcessorList([sampler])
+        kwargs = dict(input_ids=input_ids, attention_mask=attention, generation_config=gc,
+                      logits_processor=LogitsProcessorList([sampler]))
         if any(row_stops):
             kwargs["stopping_criteria"] = StoppingCriteriaList([_RowStops(row_stops, width)])
         distinct = set(row_adapters)
@@ -395,11 +391,7 @@ class HFEngine(GenerationEngine):
         with torch.inference_mode():
             out = call()
             gen = out.sequences[:, width:]
-            if sampler is not None:
-                logp = torch.stack(sampler.logprobs, dim=1)  # [rows, steps], under the warped distribution
-            else:
-                scores = torch.stack(out.scores, dim=1).float()  # [rows, steps, vocab], processed
-                logp = torch.log_softmax(scores, dim=-1).gather(-1, gen.unsqueeze(-1)).squeeze(-1)
+            logp = torch.stack(sampler.logprobs, dim=1)  # [rows, steps], under the distribution sampled from
 
         eos = set() if ignore_eos else set(self.eos_ids)
         gen_l = gen.tolist()

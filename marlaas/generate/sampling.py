@@ -5,6 +5,10 @@ call. `RowSampler` replaces that draw: one uniform per row and token from the ro
 (seeded by `row_seeds`: the request's seed and the row's index in it), inverse CDF of the warped
 distribution. Invariant: a row's samples depend only on its seed, its prompt, its adapter and the
 sampling settings, never on the batch it is generated in.
+
+Both processors here keep one log-prob per row and step, never the call's scores: transformers'
+`output_scores` keeps a [rows, vocab] tensor per step (200 greedy evaluation rows x 12 tokens of a
+49,152-token vocabulary: 470 MB, three copies to take their log-softmax).
 """
 
 from __future__ import annotations
@@ -42,6 +46,21 @@ class RowSampler:
         self.logprobs.append(torch.log_softmax(scores.float(), dim=-1).gather(-1, chosen).squeeze(-1))
         out = torch.full_like(scores, float("-inf"))
         return out.scatter_(-1, chosen, 0.0)
+
+
+class GreedyLogprobs:
+    """A transformers LogitsProcessor for greedy calls, last in the list: keeps each row's log-prob of
+    the token greedy decoding picks (the argmax of the processed scores: the max of their log-softmax)
+    and returns the scores unchanged."""
+
+    def __init__(self):
+        self.logprobs: list = []  # one [rows] tensor per step
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        self.logprobs.append(torch.log_softmax(scores.float(), dim=-1).amax(dim=-1))
+        return scores
 
 
 def row_seeds(seed: int, n: int) -> list[int]:

