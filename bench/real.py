@@ -1,4 +1,4 @@
-"""Real model: SmolLM2-135M-Instruct on reasoning-gym tasks, alone and synchronously vs all at once asynchronously.
+"""Real model: SmolLM2-135M-Instruct on reasoning-gym tasks: marlaas job after job, all at once, and TRL.
 
     .venv/bin/python bench/real.py --out results/real.json   # README "A real model" has the run's full command
 
@@ -9,7 +9,15 @@ its files are hashed before and after the run) through one warm private worker s
 the Procfile lines (hf engine, MARLAAS_THREADS=1):
   (a) sync:  each task's job alone, max_staleness 0, one job after another;
   (b) async: every task's job submitted at once, max_staleness `--staleness` (2);
-with the same seeds, steps, sizes and held-out sets. Per task: the reasoning-gym config, the held-out
+  (c) trl:   TRL's GRPOTrainer (`bench` extra), job after job in this one warm process with torch
+             threads = cores, after the stack has stopped (the whole machine), on the same base, rows
+             (rendered by the base's chat template as our admission renders them), rewards (the task's
+             own verifier), LoRA, learning rate, sizes and seeds; its held-out accuracy counted as ours
+             (greedy, cut at the first EOS, full reward), its wall = both evaluations + training;
+             TRL's defaults otherwise, except gradient checkpointing off (10% faster here: memory is
+             not short);
+with the same seeds, steps, sizes and held-out sets. `--modes` picks any of them.
+Per task: the reasoning-gym config, the held-out
 greedy accuracy (pass@1 on `--eval-size` prompts, eval_every 0, eval_k 0) at version 0 (the base) and
 at the final version in each mode, the rise in points, the reward curve and the staleness histogram.
 Overall: wall time of (a) (the sum of its jobs) and of (b), speedup = time(a) / time(b), each
@@ -18,8 +26,14 @@ RSS (VmHWM) of every stack process and its children, read from /proc before the 
 processes are shared by both modes, so the peak after (b) covers both), and a few greedy outputs of
 each evaluation with checks that generation stopped at EOS (no chat-template markers in the text)
 and that the job record says chat_template "applied".
+Per job also: samples per second and the step latency (p50/p95 seconds between consecutive versions;
+for TRL between consecutive steps). Each marlaas mode's `busy` entry has the stations' work seconds and
+this machine's ceiling for that work (max(trainer work, all work / cores)) and the mode's share of it.
+`peers.trl`: TRL's wall over (b)'s and over (a)'s, each task's final accuracy gap to TRL in points.
+`rss_over_weights`: every stack process's peak RSS over the base's safetensors bytes.
 The goal: >= 3 tasks rise >= 10 points over the base in both (a) and (b); mean |(a) - (b)| <= 5 points;
-speedup >= 1.3. The JSON (`--out`) is written after every phase; a PNG (`--png`) draws the held-out
+speedup >= 1.3; against TRL: (b) >= 1.3x, (a) >= 0.9x, (b) within 5 points of TRL on every task, and
+(b) at >= 0.85 of the ceiling. The JSON (`--out`) is written after every phase; a PNG (`--png`) draws the held-out
 accuracy before and after per task and mode, and the training reward curves (`--replot JSON` redraws it
 from an earlier run).
 """
@@ -37,6 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.quality import job_record  # noqa: E402
+from bench.trl_peer import percentiles  # noqa: E402
 from marlaas.api.client import Client  # noqa: E402
 from marlaas.ops.embedded import Stack, wait_for_workers  # noqa: E402
 from marlaas.ops.timeline import STATIONS, busy_fractions, union_length  # noqa: E402
@@ -126,14 +141,26 @@ def output_checks(job, spec: JobSpec) -> dict:
 def finish_record(job, spec: JobSpec, wall_s: float) -> dict:
     rec = job_record(job, spec, wall_s)
     rec["checks"] = output_checks(job, spec)
+    ats = sorted(float(r["at"]) for r in job.metrics()["steps"] if r.get("at") is not None)
+    rec["step_latency_s"] = percentiles([b - a for a, b in zip(ats, ats[1:])])  # between consecutive versions
+    rec["samples_per_s"] = round(spec.steps * spec.prompts_per_step * spec.group_size / max(wall_s, 1e-9), 3)
     return rec
 
 
 def measure(store: Store, t0: float, t1: float) -> dict:
+    """Each station's busy fraction and busy seconds (union of its tasks) over [t0, t1], its work
+    seconds (sum of its tasks: two generate workers busy at once count twice), and this machine's
+    ceiling for that work: the shortest wall it allows, max(the trainer lane's work, all work / cores)
+    (every task of the stack runs on one thread)."""
     ev = [e for e in store.events(since=t0) if e["start"] <= t1]
+    work = {s: round(sum(max(0.0, min(e["end"], t1) - max(e["start"], t0)) for e in ev if e["station"] == s), 1)
+            for s in STATIONS}
+    ceiling = max(work.get("train", 0.0), sum(work.values()) / (os.cpu_count() or 1))
     return {"busy_fraction": busy_fractions(ev, t0, t1),
             "busy_s": {s: round(union_length([(e["start"], e["end"]) for e in ev if e["station"] == s], t0, t1), 1)
-                       for s in STATIONS}}
+                       for s in STATIONS},
+            "work_s": work, "ceiling_s": round(ceiling, 1), "wall_s": round(t1 - t0, 1),
+            "share_of_ceiling": round(ceiling / max(t1 - t0, 1e-9), 3)}
 
 
 def run_sync(client: Client, tasks: list[str], a, save) -> tuple[dict, float, dict]:
@@ -163,6 +190,44 @@ def run_async(client: Client, tasks: list[str], a) -> tuple[dict, float, dict]:
         print(f"async {task}: {r['status']} {r['base_acc']} -> {r['final_acc']} "
               f"staleness {r['staleness_histogram']}", flush=True)
     return out, round(t1 - t0, 1), measure(client.store, t0, t1)
+
+
+def run_trl(base: Path, tasks: list[str], a, save) -> tuple[dict, float]:
+    """(c) TRL's GRPOTrainer on the same base, rows (rendered by the base's chat template, as our
+    admission renders them), rewards (the task's own verifier), LoRA, learning rate, sizes and seeds:
+    job after job in this one warm process with torch threads = cores. Runs after the stack stopped."""
+    import torch
+
+    from bench.trl_peer import train_rows
+    from marlaas.api.datasets_io import render_chat
+    from marlaas.api.rows import job_rows
+    from marlaas.base.tiny import load_tokenizer
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    tok = load_tokenizer(base)
+    work = get_settings().home / "bench-logs" / "real-trl"
+    warm = task_spec(tasks[0], 0, a, 0, "trl-warmup").model_copy(
+        update={"steps": 1, "prompts_per_step": 1, "eval_size": 2, "seed": 10_000})
+    train, held = job_rows(warm)  # imports, first calls (not timed), as the stack's warm-up job
+    train_rows(base, tok, warm, render_chat(train, tok), render_chat(held, tok), work, gradient_checkpointing=False)
+    out = {}
+    for i, task in enumerate(tasks):
+        spec = task_spec(task, i, a, 0, "trl")
+        train, held = job_rows(spec)
+        rec = train_rows(base, tok, spec, render_chat(train, tok), render_chat(held, tok), work,
+                         gradient_checkpointing=False)  # TRL's default (on) was 10% slower here
+        rec["samples_per_s"] = round(spec.steps * spec.prompts_per_step * spec.group_size / rec["wall_s"], 3)
+        rec["torch_threads"] = torch.get_num_threads()
+        out[task] = rec
+        print(f"trl {task}: {rec['base_acc']} -> {rec['final_acc']} ({rec['wall_s']} s, train {rec['train_s']} s)",
+              flush=True)
+        save(partial_trl=out)
+    return out, round(sum(r["wall_s"] for r in out.values()), 1)
+
+
+def weight_mb(base: Path) -> float:
+    """The base's weight bytes (its safetensors files), in MB."""
+    return round(sum(f.stat().st_size for f in base.glob("*.safetensors")) / 2**20, 1)
 
 
 def _status_kb(pid: int) -> dict[str, int]:
@@ -236,6 +301,33 @@ def summarise(tasks: list[str], sync: dict, asy: dict, a) -> dict:
     return s
 
 
+def peer_summary(tasks: list[str], sync: dict, asy: dict, trl: dict, state: dict) -> dict:
+    """marlaas against TRL: wall-time ratios (TRL's wall over ours: above 1, we are faster), each
+    task's final accuracy gap (ours - TRL's, points) and how close (b) came to the machine's ceiling."""
+    tw = state["trl_wall_s"] or sum(r["wall_s"] for r in trl.values())
+    out: dict = {"trl_wall_s": round(tw, 1)}
+    if state["async_wall_s"]:
+        out["async_over_trl"] = round(tw / state["async_wall_s"], 3)
+    if state["sync_wall_s"]:
+        out["sync_over_trl"] = round(tw / state["sync_wall_s"], 3)
+    for mode, recs in (("sync", sync), ("async", asy)):
+        gaps = {t: round(100 * (recs[t]["final_acc"] - trl[t]["final_acc"]), 1) for t in tasks
+                if t in recs and t in trl and recs[t]["final_acc"] is not None}
+        if gaps:
+            out[f"{mode}_minus_trl_points"] = gaps
+    asy_busy = state["busy"].get("async") or {}
+    if "share_of_ceiling" in asy_busy:
+        out["async_share_of_ceiling"] = asy_busy["share_of_ceiling"]
+    out["goal"] = {
+        "async_over_trl_1_3": (out.get("async_over_trl") or 0) >= 1.3,
+        "sync_over_trl_0_9": (out.get("sync_over_trl") or 0) >= 0.9,
+        "async_within_5_points_every_task": bool(out.get("async_minus_trl_points"))
+        and all(abs(g) <= 5 for g in out["async_minus_trl_points"].values()),
+        "async_at_0_85_of_ceiling": (out.get("async_share_of_ceiling") or 0) >= 0.85,
+    }
+    return out
+
+
 def plot(out: dict, path: Path) -> None:
     import matplotlib
 
@@ -245,12 +337,14 @@ def plot(out: dict, path: Path) -> None:
     tasks = list(out["tasks"])
     fig, (ax, cx) = plt.subplots(1, 2, figsize=(max(6, 2.2 * len(tasks)) + 6, 4),
                                  gridspec_kw={"width_ratios": [max(6, 2.2 * len(tasks)), 6]})
-    width = 0.27
     series = [("base (v0)", lambda r: r.get("base_acc")),
               ("sync final", lambda r: r.get("sync", {}).get("final_acc")),
               ("async final", lambda r: r.get("async", {}).get("final_acc"))]
+    if any("trl" in r for r in out["tasks"].values()):
+        series.append(("TRL final", lambda r: r.get("trl", {}).get("final_acc")))
+    width = 0.8 / len(series)
     for k, (label, get) in enumerate(series):
-        xs = [i + (k - 1) * width for i in range(len(tasks))]
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(tasks))]
         ys = [100 * (get(out["tasks"][t]) or 0.0) for t in tasks]
         bars = ax.bar(xs, ys, width, label=label, color=f"C{k}")
         for b, y in zip(bars, ys):
@@ -263,14 +357,14 @@ def plot(out: dict, path: Path) -> None:
     ax.legend(fontsize=8)
     window = 5  # the training reward per step is a mean over one step's completions: smoothed for reading
     for i, t in enumerate(tasks):
-        for mode, style in (("sync", "-"), ("async", "--")):
+        for mode, style in (("sync", "-"), ("async", "--"), ("trl", ":")):
             curve = out["tasks"][t].get(mode, {}).get("reward_curve") or []
             smooth = [sum(curve[max(0, j - window + 1): j + 1]) / len(curve[max(0, j - window + 1): j + 1])
                       for j in range(len(curve))]
             cx.plot(range(1, len(smooth) + 1), smooth, style, color=f"C{i + 3}", label=f"{t} {mode}")
     cx.set_xlabel("train step")
     cx.set_ylabel(f"training reward (mean of the last {window} steps)")
-    cx.set_title("training reward: sync (solid) vs async (dashed)", fontsize=9)
+    cx.set_title("training reward: sync (solid), async (dashed), TRL (dotted)", fontsize=9)
     cx.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -294,7 +388,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--staleness", type=int, default=2, help="max_staleness of the async mode (b)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--modes", default="sync,async")
+    ap.add_argument("--modes", default="sync,async,trl",
+                    help="of sync (a), async (b), trl (c: TRL's GRPOTrainer, job after job, after the stack stops)")
     ap.add_argument("--generate-workers", type=int, default=2,
                     help="generate worker processes, 1 thread each (generation dominates a real model on CPU)")
     ap.add_argument("--jit-jobs", type=int, default=0,
@@ -324,13 +419,17 @@ def main() -> None:
     env = {"MARLAAS_BASE": str(base), "MARLAAS_ENGINE": "hf", "MARLAAS_THREADS": "1", "MARLAAS_LEASE_S": "600",
            "MARLAAS_GEN_JIT_JOBS": str(a.jit_jobs)}
     stack = Stack(env=env, log_dir=home / "bench-logs" / "real")
-    state: dict = {"sync": {}, "async": {}, "sync_wall_s": None, "async_wall_s": None, "busy": {}, "rss_mb": {}}
+    state: dict = {"sync": {}, "async": {}, "trl": {}, "sync_wall_s": None, "async_wall_s": None, "trl_wall_s": None,
+                   "busy": {}, "rss_mb": {}}
+    wmb = weight_mb(base)
     opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()
                     if k not in ("out", "png", "base", "base_dir") and v is not None)
 
-    def save(partial_sync: dict | None = None) -> dict:  # after every job / phase: a partial run keeps its data
+    def save(partial_sync: dict | None = None, partial_trl: dict | None = None) -> dict:
+        # after every job / phase: a partial run keeps its data
         sync = partial_sync if partial_sync is not None else state["sync"]
         asy = state["async"]
+        trl = partial_trl if partial_trl is not None else state["trl"]
         out = {
             "command": f".venv/bin/python bench/real.py {opts} --out {a.out}",
             "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -353,6 +452,10 @@ def main() -> None:
             "busy": state["busy"],
             "rss_mb": state["rss_mb"],
             "summary": summarise(tasks, sync, asy, a),
+            "peers": {"trl": peer_summary(tasks, sync, asy, trl, state)} if trl else {},
+            "weights_mb": wmb,
+            "rss_over_weights": {when: {n: round(v["peak_mb"] / wmb, 2) for n, v in procs.items() if "peak_mb" in v}
+                                 for when, procs in state["rss_mb"].items()} if wmb else None,
             "warmup_s": state.get("warmup_s"),
             "total_wall_s": round(time.time() - t_start, 1),
         }
@@ -364,6 +467,8 @@ def main() -> None:
             if t in asy:
                 r.setdefault("base_acc", asy[t]["base_acc"])
                 r["async"] = asy[t]
+            if t in trl:
+                r["trl"] = trl[t]
             out["tasks"][t] = r
         if hashes_before is not None:
             out["base"]["read_only_ok"] = dir_hashes(base) == hashes_before
@@ -373,33 +478,38 @@ def main() -> None:
         return out
 
     out = None
-    try:
-        for i in range(2, a.generate_workers + 1):  # more generate workers: the same line, another node name
-            stack.lines[f"generate{i}"] = stack.lines["generate"].replace("-n generate@", f"-n generate{i}@")
-        stack.start(*[n for n in STACK_LINES if n in stack.lines],
-                    *[f"generate{i}" for i in range(2, a.generate_workers + 1)])
-        wait_for_workers(Store(stack.url), timeout=300)
-        client = Client(stack.url)
-        print(f"stack up after {time.time() - t_start:.0f} s", flush=True)
-        t = time.time()  # engines warm (first calls, lazy loads) before anything is timed
-        warm = JobSpec(tenant="warmup", task=f"reasoning_gym:{tasks[0]}", task_config=TASK_CONFIGS[tasks[0]],
-                       steps=1, group_size=2, prompts_per_step=1, max_new_tokens=a.max_new_tokens,
-                       eval_size=2, eval_k=0, max_staleness=0, seed=10_000)
-        client.submit(warm).wait(timeout=a.job_timeout)
-        state["warmup_s"] = round(time.time() - t, 1)
-        print(f"warmup job {state['warmup_s']} s", flush=True)
-        if "sync" in modes:
-            state["sync"], state["sync_wall_s"], state["busy"]["sync"] = run_sync(client, tasks, a, save)
-            state["rss_mb"]["after_sync"] = peak_rss(stack)
-            out = save()
-        if "async" in modes:
-            state["async"], state["async_wall_s"], state["busy"]["async"] = run_async(client, tasks, a)
-            state["rss_mb"]["after_async"] = peak_rss(stack)
-            out = save()
-    finally:
-        stack.stop()
+    if set(modes) & {"sync", "async"}:
+        try:
+            for i in range(2, a.generate_workers + 1):  # more generate workers: the same line, another node name
+                stack.lines[f"generate{i}"] = stack.lines["generate"].replace("-n generate@", f"-n generate{i}@")
+            stack.start(*[n for n in STACK_LINES if n in stack.lines],
+                        *[f"generate{i}" for i in range(2, a.generate_workers + 1)])
+            wait_for_workers(Store(stack.url), timeout=300)
+            client = Client(stack.url)
+            print(f"stack up after {time.time() - t_start:.0f} s", flush=True)
+            t = time.time()  # engines warm (first calls, lazy loads) before anything is timed
+            warm = JobSpec(tenant="warmup", task=f"reasoning_gym:{tasks[0]}", task_config=TASK_CONFIGS[tasks[0]],
+                           steps=1, group_size=2, prompts_per_step=1, max_new_tokens=a.max_new_tokens,
+                           eval_size=2, eval_k=0, max_staleness=0, seed=10_000)
+            client.submit(warm).wait(timeout=a.job_timeout)
+            state["warmup_s"] = round(time.time() - t, 1)
+            print(f"warmup job {state['warmup_s']} s", flush=True)
+            if "sync" in modes:
+                state["sync"], state["sync_wall_s"], state["busy"]["sync"] = run_sync(client, tasks, a, save)
+                state["rss_mb"]["after_sync"] = peak_rss(stack)
+                out = save()
+            if "async" in modes:
+                state["async"], state["async_wall_s"], state["busy"]["async"] = run_async(client, tasks, a)
+                state["rss_mb"]["after_async"] = peak_rss(stack)
+                out = save()
+        finally:
+            stack.stop()
+    if "trl" in modes:  # on the whole machine: the stack is down
+        state["trl"], state["trl_wall_s"] = run_trl(base, tasks, a, save)
+        out = save()
     if out is not None:
-        print(json.dumps({k: out[k] for k in ("sync_wall_s", "async_wall_s", "speedup", "summary")}, indent=1))
+        print(json.dumps({k: out[k] for k in ("sync_wall_s", "async_wall_s", "speedup", "summary", "peers")},
+                         indent=1))
         print("wrote", a.out, a.png)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -49,12 +50,31 @@ def reward_fn(spec: JobSpec):
 ROWS: dict[str, list[dict]] = {}
 
 
+def grpo_trainer(model, tokenizer, spec: JobSpec, ds, reward, out_dir: Path, callbacks=(), **overrides):
+    """TRL's GRPOTrainer set up as our job `spec` trains: prompts_per_step x group_size completions per
+    step, max_new_tokens, temperature (top_p 1, top_k off), constant lr, no KL, a fresh LoRA of the
+    spec's rank and alpha on every linear layer, the dataset in its order."""
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    cfg = GRPOConfig(
+        output_dir=str(out_dir), use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
+        per_device_train_batch_size=spec.prompts_per_step * spec.group_size, gradient_accumulation_steps=1,
+        num_generations=spec.group_size, max_completion_length=spec.max_new_tokens, max_steps=spec.steps,
+        learning_rate=spec.learning_rate, lr_scheduler_type="constant", warmup_steps=0, beta=0.0,
+        temperature=spec.temperature, top_p=1.0, top_k=0, seed=spec.seed, shuffle_dataset=False,
+        dataloader_num_workers=0, disable_dropout=True, bf16=False, fp16=False, **overrides,
+    )
+    lora = LoraConfig(r=spec.lora.rank, lora_alpha=spec.lora.alpha, target_modules="all-linear",
+                      lora_dropout=0.0, task_type="CAUSAL_LM")
+    return GRPOTrainer(model=model, reward_funcs=[reward], args=cfg, train_dataset=ds,
+                       processing_class=tokenizer, peft_config=lora, callbacks=list(callbacks))
+
+
 def train_one(model_path: Path, tokenizer, spec: JobSpec, out_dir: Path) -> dict:
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM
-    from trl import GRPOConfig, GRPOTrainer
 
     from marlaas.api.rows import job_rows
 
@@ -63,23 +83,93 @@ def train_one(model_path: Path, tokenizer, spec: JobSpec, out_dir: Path) -> dict
     ds = Dataset.from_list([{"prompt": r["prompt"], "row_idx": i} for i, r in enumerate(train)])
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    cfg = GRPOConfig(
-        output_dir=str(out_dir), use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
-        per_device_train_batch_size=spec.prompts_per_step * spec.group_size, gradient_accumulation_steps=1,
-        num_generations=spec.group_size, max_completion_length=spec.max_new_tokens, max_steps=spec.steps,
-        learning_rate=spec.learning_rate, lr_scheduler_type="constant", warmup_steps=0, beta=0.0,
-        temperature=spec.temperature, top_p=1.0, top_k=0, seed=spec.seed, shuffle_dataset=False,
-        dataloader_num_workers=0, disable_dropout=True, bf16=False, fp16=False,
-    )
-    lora = LoraConfig(r=spec.lora.rank, lora_alpha=spec.lora.alpha, target_modules="all-linear",
-                      lora_dropout=0.0, task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward_fn(spec)], args=cfg, train_dataset=ds,
-                          processing_class=tokenizer, peft_config=lora)
+    trainer = grpo_trainer(model, tokenizer, spec, ds, reward_fn(spec), out_dir)
     t0 = time.time()
     trainer.train()
     wall = time.time() - t0
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return {"task": spec.task, "wall_s": round(wall, 2), "reward_curve": [round(r, 4) for r in rewards]}
+
+
+def greedy_exact(model, tokenizer, spec: JobSpec, held: list[dict], eos_ids: list[int], batch: int = 25) -> float:
+    """Held-out greedy accuracy as our evaluation counts it (`marlaas.verify.evaluation.summarize`'s
+    exact: the share of prompts whose greedy completion earns the full reward): each completion cut at
+    its first EOS and decoded without special tokens, scored by the task's own verifier."""
+    import torch
+
+    from marlaas.verify.evaluation import summarize
+    from marlaas.verify.verifiers import score_groups
+
+    tokenizer.padding_side = "left"
+    texts: list[str] = []
+    model.eval()
+    with torch.inference_mode():
+        for i in range(0, len(held), batch):
+            enc = tokenizer([r["prompt"] for r in held[i:i + batch]], return_tensors="pt", padding=True)
+            out = model.generate(**enc, do_sample=False, max_new_tokens=spec.max_new_tokens, eos_token_id=eos_ids,
+                                 pad_token_id=tokenizer.pad_token_id)
+            for row in out[:, enc["input_ids"].shape[1]:].tolist():
+                cut = next((k for k, t in enumerate(row) if t in eos_ids), len(row))
+                texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+    scores = score_groups(spec.verifier_name(), [(r, [t]) for r, t in zip(held, texts)])
+    return summarize([s.rewards[0] for s in scores], None)["exact"]
+
+
+def train_rows(model_path: Path, tokenizer, spec: JobSpec, train: list[dict], held: list[dict],
+               out_dir: Path, **overrides) -> dict:
+    """One job of `spec` on given (already rendered) rows: held-out greedy accuracy of the base, GRPO
+    training, held-out accuracy of the trained adapter. wall_s = training + both evaluations (as a
+    marlaas job's wall includes its evaluations at version 0 and the last); the per-step latency is
+    the time between the ends of consecutive steps."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    from marlaas.generate.engine import eos_token_ids
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.ends: list[float] = []
+
+        def on_step_end(self, args, state, control, **kw):
+            self.ends.append(time.time())
+
+    ROWS[spec.tenant] = train
+    ds = Dataset.from_list([{"prompt": r["prompt"], "row_idx": i} for i, r in enumerate(train)])
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    eos_ids = eos_token_ids(tokenizer, model.generation_config)
+    model.generation_config.eos_token_id = eos_ids  # stop where our engine stops
+    t0 = time.time()
+    base_acc = greedy_exact(model, tokenizer, spec, held, eos_ids)
+    eval0_s = time.time() - t0
+    clock = StepClock()
+    trainer = grpo_trainer(model, tokenizer, spec, ds, reward_fn(spec), out_dir, [clock], **overrides)
+    t1 = time.time()
+    trainer.train()
+    train_s = time.time() - t1
+    t2 = time.time()
+    final_acc = greedy_exact(trainer.model, tokenizer, spec, held, eos_ids)
+    eval1_s = time.time() - t2
+    gaps = [b - a for a, b in zip([t1] + clock.ends, clock.ends)]
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    return {"status": "done", "base_acc": base_acc, "final_acc": final_acc,
+            "rise_points": round(100 * (final_acc - base_acc), 2),
+            "reward_curve": [round(r, 4) for r in rewards], "wall_s": round(eval0_s + train_s + eval1_s, 1),
+            "train_s": round(train_s, 1), "eval_s": [round(eval0_s, 1), round(eval1_s, 1)],
+            "step_latency_s": percentiles(gaps)}
+
+
+def percentiles(xs: list[float]) -> dict:
+    """{"p50", "p95", "n"} of a list of seconds (nearest rank; None when empty)."""
+    if not xs:
+        return {"p50": None, "p95": None, "n": 0}
+    s = sorted(xs)
+
+    def rank(q: float) -> float:
+        return round(s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))], 2)
+
+    return {"p50": rank(0.50), "p95": rank(0.95), "n": len(s)}
 
 
 def main() -> None:

@@ -1,0 +1,34 @@
+"""bench/real.py's pure parts: step-latency percentiles and the comparison with the TRL peer."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.real import peer_summary  # noqa: E402
+from bench.trl_peer import percentiles  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+
+def test_percentiles_nearest_rank():
+    assert percentiles([]) == {"p50": None, "p95": None, "n": 0}
+    assert percentiles([3.0]) == {"p50": 3.0, "p95": 3.0, "n": 1}
+    xs = [float(i) for i in range(1, 21)]  # 1..20: rank ceil(0.5*20)=10, ceil(0.95*20)=19
+    assert percentiles(list(reversed(xs))) == {"p50": 10.0, "p95": 19.0, "n": 20}
+
+
+def test_peer_summary_ratios_gaps_and_goals():
+    sync = {"a": {"final_acc": 0.40}, "b": {"final_acc": 0.20}}
+    asy = {"a": {"final_acc": 0.36}, "b": {"final_acc": 0.30}}
+    trl = {"a": {"final_acc": 0.38, "wall_s": 700.0}, "b": {"final_acc": 0.24, "wall_s": 500.0}}
+    state = {"trl_wall_s": 1200.0, "async_wall_s": 600.0, "sync_wall_s": 1500.0,
+             "busy": {"async": {"share_of_ceiling": 0.9}}}
+    out = peer_summary(["a", "b"], sync, asy, trl, state)
+    assert out["async_over_trl"] == 2.0 and out["sync_over_trl"] == 0.8
+    assert out["async_minus_trl_points"] == {"a": -2.0, "b": 6.0}
+    assert out["sync_minus_trl_points"] == {"a": 2.0, "b": -4.0}
+    assert out["goal"] == {"async_over_trl_1_3": True, "sync_over_trl_0_9": False,
+                           "async_within_5_points_every_task": False, "async_at_0_85_of_ceiling": True}
