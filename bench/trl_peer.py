@@ -91,10 +91,10 @@ def train_one(model_path: Path, tokenizer, spec: JobSpec, out_dir: Path) -> dict
     return {"task": spec.task, "wall_s": round(wall, 2), "reward_curve": [round(r, 4) for r in rewards]}
 
 
-def greedy_exact(model, tokenizer, spec: JobSpec, held: list[dict], eos_ids: list[int], batch: int = 25) -> float:
-    """Held-out greedy accuracy as our evaluation counts it (`marlaas.verify.evaluation.summarize`'s
-    exact: the share of prompts whose greedy completion earns the full reward): each completion cut at
-    its first EOS and decoded without special tokens, scored by the task's own verifier."""
+def greedy_eval(model, tokenizer, spec: JobSpec, held: list[dict], eos_ids: list[int], batch: int = 25) -> dict:
+    """Held-out greedy evaluation as ours counts it (`marlaas.verify.evaluation.summarize`: exact = the
+    share of prompts whose greedy completion earns the full reward, mean_reward): each completion cut
+    at its first EOS and decoded without special tokens, scored by the task's own verifier."""
     import torch
 
     from marlaas.verify.evaluation import summarize
@@ -112,7 +112,7 @@ def greedy_exact(model, tokenizer, spec: JobSpec, held: list[dict], eos_ids: lis
                 cut = next((k for k, t in enumerate(row) if t in eos_ids), len(row))
                 texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
     scores = score_groups(spec.verifier_name(), [(r, [t]) for r, t in zip(held, texts)])
-    return summarize([s.rewards[0] for s in scores], None)["exact"]
+    return summarize([s.rewards[0] for s in scores], None)
 
 
 def train_rows(model_path: Path, tokenizer, spec: JobSpec, train: list[dict], held: list[dict],
@@ -141,7 +141,7 @@ def train_rows(model_path: Path, tokenizer, spec: JobSpec, train: list[dict], he
     eos_ids = eos_token_ids(tokenizer, model.generation_config)
     model.generation_config.eos_token_id = eos_ids  # stop where our engine stops
     t0 = time.time()
-    base_acc = greedy_exact(model, tokenizer, spec, held, eos_ids)
+    ev0 = greedy_eval(model, tokenizer, spec, held, eos_ids)
     eval0_s = time.time() - t0
     clock = StepClock()
     trainer = grpo_trainer(model, tokenizer, spec, ds, reward_fn(spec), out_dir, [clock], **overrides)
@@ -149,12 +149,14 @@ def train_rows(model_path: Path, tokenizer, spec: JobSpec, train: list[dict], he
     trainer.train()
     train_s = time.time() - t1
     t2 = time.time()
-    final_acc = greedy_exact(trainer.model, tokenizer, spec, held, eos_ids)
+    ev1 = greedy_eval(trainer.model, tokenizer, spec, held, eos_ids)
     eval1_s = time.time() - t2
     gaps = [b - a for a, b in zip([t1] + clock.ends, clock.ends)]
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    base_acc, final_acc = ev0["exact"], ev1["exact"]
     return {"status": "done", "base_acc": base_acc, "final_acc": final_acc,
             "rise_points": round(100 * (final_acc - base_acc), 2),
+            "mean_reward": [round(ev0["mean_reward"], 4), round(ev1["mean_reward"], 4)],
             "reward_curve": [round(r, 4) for r in rewards], "wall_s": round(eval0_s + train_s + eval1_s, 1),
             "train_s": round(train_s, 1), "eval_s": [round(eval0_s, 1), round(eval1_s, 1)],
             "step_latency_s": percentiles(gaps)}
