@@ -27,8 +27,11 @@ processes are shared by both modes, so the peak after (b) covers both), and a fe
 each evaluation with checks that generation stopped at EOS (no chat-template markers in the text)
 and that the job record says chat_template "applied".
 Per job also: samples per second and the step latency (p50/p95 seconds between consecutive versions;
-for TRL between consecutive steps). Each marlaas mode's `busy` entry has the stations' work seconds and
-this machine's ceiling for that work (max(trainer work, all work / cores)) and the mode's share of it.
+for TRL each step from the previous one's end, the first from the start of training). Each marlaas
+mode's `busy` entry has the stations' work seconds and this machine's ceiling for that work
+(max(trainer work, all work / cores)) and the mode's share of it: task wall seconds, so it holds only
+while the stack's busy processes do not outnumber the cores (past that, tasks stretch and the share
+can pass 1).
 `peers.trl`: TRL's wall over (b)'s and over (a)'s, each task's final accuracy gap to TRL in points.
 `rss_over_weights`: every stack process's peak RSS over the base's safetensors bytes.
 The goal: >= 3 tasks rise >= 10 points over the base in both (a) and (b); mean |(a) - (b)| <= 5 points;
@@ -412,6 +415,13 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(TASK_CONFIGS)}")
     modes = [m for m in a.modes.split(",") if m]
+    if not modes or set(modes) - {"sync", "async", "trl"}:
+        ap.error(f"--modes {a.modes!r}: give some of sync, async, trl (comma-separated)")
+    if "trl" in modes:  # before an hour of the other modes, not after
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            ap.error("--modes trl needs TRL: .venv/bin/pip install -e '.[bench]' (or leave trl out of --modes)")
     home = get_settings().home
     t_start = time.time()
     base, info = prepare_base(a)

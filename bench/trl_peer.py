@@ -120,7 +120,7 @@ def train_rows(model_path: Path, tokenizer, spec: JobSpec, train: list[dict], he
     """One job of `spec` on given (already rendered) rows: held-out greedy accuracy of the base, GRPO
     training, held-out accuracy of the trained adapter. wall_s = training + both evaluations (as a
     marlaas job's wall includes its evaluations at version 0 and the last); the per-step latency is
-    the time between the ends of consecutive steps."""
+    each step's time from the previous step's end (the first one's from the start of training)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
