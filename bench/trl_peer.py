@@ -71,18 +71,24 @@ def grpo_trainer(model, tokenizer, spec: JobSpec, ds, reward, out_dir: Path, cal
                        processing_class=tokenizer, peft_config=lora, callbacks=list(callbacks))
 
 
-def train_one(model_path: Path, tokenizer, spec: JobSpec, out_dir: Path) -> dict:
+def job_setup(model_path: Path, spec: JobSpec, train: list[dict]):
+    """(dataset, fresh float32 model) of one job: its rows registered for its reward function,
+    the seed set before the model loads."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
-    from marlaas.api.rows import job_rows
-
-    train, _ = job_rows(spec)
     ROWS[spec.tenant] = train
     ds = Dataset.from_list([{"prompt": r["prompt"], "row_idx": i} for i, r in enumerate(train)])
     torch.manual_seed(spec.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return ds, AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+
+
+def train_one(model_path: Path, tokenizer, spec: JobSpec, out_dir: Path) -> dict:
+    from marlaas.api.rows import job_rows
+
+    train, _ = job_rows(spec)
+    ds, model = job_setup(model_path, spec, train)
     trainer = grpo_trainer(model, tokenizer, spec, ds, reward_fn(spec), out_dir)
     t0 = time.time()
     trainer.train()
@@ -121,9 +127,7 @@ def train_rows(model_path: Path, tokenizer, spec: JobSpec, train: list[dict], he
     training, held-out accuracy of the trained adapter. wall_s = training + both evaluations (as a
     marlaas job's wall includes its evaluations at version 0 and the last); the per-step latency is
     each step's time from the previous step's end (the first one's from the start of training)."""
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import TrainerCallback
 
     from marlaas.generate.engine import eos_token_ids
 
@@ -134,10 +138,7 @@ def train_rows(model_path: Path, tokenizer, spec: JobSpec, train: list[dict], he
         def on_step_end(self, args, state, control, **kw):
             self.ends.append(time.time())
 
-    ROWS[spec.tenant] = train
-    ds = Dataset.from_list([{"prompt": r["prompt"], "row_idx": i} for i, r in enumerate(train)])
-    torch.manual_seed(spec.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    ds, model = job_setup(model_path, spec, train)
     eos_ids = eos_token_ids(tokenizer, model.generation_config)
     model.generation_config.eos_token_id = eos_ids  # stop where our engine stops
     t0 = time.time()
