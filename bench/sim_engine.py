@@ -35,7 +35,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from marlaas.control import scheduler
+from marlaas.control import jit, scheduler
+from marlaas.control.jit import JitGauge
 from marlaas.ops.timeline import union_length
 
 try:  # run as `python bench/x.py` or imported as `bench.x`
@@ -55,7 +56,7 @@ class Cluster:
     train_lanes: int = 1
     batch_rows: int = 256
     inflight_per_worker: int = 2
-    jit_jobs: int = 0  # MARLAAS_GEN_JIT_JOBS
+    jit_jobs: int | str = 0  # MARLAAS_GEN_JIT_JOBS: a number, or 'auto' (marlaas.control.jit)
     shared: dict[str, float] = field(default_factory=dict)
     """resource name -> capacity (processor sharing)"""
     placement: dict[str, str] = field(default_factory=dict)
@@ -130,6 +131,7 @@ class SimResult:
     plans: int
     job_done_s: list[float]
     trace: list[tuple] = field(default_factory=list)
+    jit_on_s: float = 0.0  # simulated seconds with just in time on
 
     def summary(self) -> dict:
         return {"makespan_s": round(self.makespan_s, 3),
@@ -167,6 +169,7 @@ class Sim:
         self.violations = self.ticks = self.plans = self.steps_trained = 0
         self.trace: list[tuple] = []
         self.gen_work = self.lane_work = True
+        self.gauge, self.jit_jobs, self.jit_on_s = JitGauge(), 0, 0.0  # automatic just in time, as a tick runs it
 
     # -- state -> Snapshot -> Plan -> state ------------------------------------------------------
 
@@ -174,11 +177,18 @@ class Sim:
         return scheduler.Snapshot(jobs=jobs, gen_inflight=self.gen_inflight,
                                   gen_capacity=self.c.inflight_per_worker * self.c.gen_workers,
                                   batch_rows=self.c.batch_rows, trainer_free=self.lanes_taken < self.c.train_lanes,
-                                  min_batch_rows=int(self.c.min_fill * self.c.batch_rows), jit_jobs=self.c.jit_jobs)
+                                  min_batch_rows=int(self.c.min_fill * self.c.batch_rows), jit_jobs=self.jit_jobs)
 
     def tick(self) -> None:
         gen_free = self.gen_inflight < self.c.inflight_per_worker * self.c.gen_workers
         lane_free = self.lanes_taken < self.c.train_lanes
+        # Every state change reaches here, so the gauge sees each station's state over all of time
+        # (a real tick samples it every second and after every task).
+        if self.jit_jobs and self.gauge.last is not None:
+            self.jit_on_s += self.now - self.gauge.last
+        self.jit_jobs = jit.jit_jobs(self.c.jit_jobs, self.c.min_fill, self.gauge, self.now,
+                                     jit.gen_busy_share(self.gen_inflight, self.c.gen_workers),
+                                     self.lanes_taken / self.c.train_lanes)
         # Skip ticks that cannot dispatch anything: plan() would return an empty Plan. New generate
         # work only appears when a version is published, an evaluation finishes or a job arrives
         # (self.gen_work); a free lane only matters if something could have become ready.
@@ -381,7 +391,7 @@ class Sim:
         return SimResult(self.mode, len(self.finished), self.now + self.p.submit_gap_s, busy, task_s,
                          self.steps_trained, max(self.hist, default=0), dict(sorted(self.hist.items())),
                          self.violations,
-                         self.ticks, self.plans, [j.done_at for j in self.finished], self.trace)
+                         self.ticks, self.plans, [j.done_at for j in self.finished], self.trace, self.jit_on_s)
 
 
 def simulate(params: CostParams, w: Workload, n: int, cluster: Cluster | None = None, mode: str = "marlaas",

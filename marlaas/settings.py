@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -63,15 +63,19 @@ class Settings(BaseSettings):
     many small ones (decode cost hardly grows with the batch on a GPU). Batches with lost work, an
     evaluation or a group the trainer waits on go at once. 0: every batch at once (separate devices,
     or CPU cores, where early generation costs the trainer nothing)."""
-    gen_jit_jobs: int = Field(0, ge=0)
+    gen_jit_jobs: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
     """From this many jobs training on, generation is just in time: only the groups a job's next train
     step needs (and evaluations) are generated, never groups for its later steps, so every sample
     trains at the version it was sampled with (staleness 0) while the trainer takes the other jobs'
-    steps. For a deployment where the trainer is the busy station (CPU, or few jobs per generate
-    worker); with fewer jobs training, groups ahead are generated within each job's staleness bound
-    as usual. 0: always generate ahead as far as the bound allows (most overlap, oldest samples).
-    Not with gen_min_fill (one device for generate and train): that one needs the groups ahead to fill
-    its large batches (bench/jit.py: just in time costs ~30% there, gains up to ~13% on the CPU)."""
+    steps. 'auto' (the default): the scheduler chooses from what it measures (marlaas.control.jit):
+    just in time from 2 jobs training on, except where neither the generate station nor the trainer
+    is busy most of the time (averaged over ~10 trainer steps: the busier under 60% switches groups
+    ahead on, 85% or more switches them off again), since groups ahead then fill idle gaps instead of
+    only aging samples. A number overrides it: 0 always generates
+    ahead as far as each job's staleness bound allows (most overlap, oldest samples). Not with
+    gen_min_fill (one device for generate and train): that one needs the groups ahead to fill its
+    large batches (bench/jit.py: just in time costs ~30% there, gains up to ~13% on the CPU), so a
+    number is refused with it and 'auto' never turns just in time on."""
     max_lora_rank: int = Field(64, ge=1, le=256)
     """Largest LoRA rank a job or Tinker model may use, recorded in the deployment record by the workers
     (`tasks.common.register_base`) and read by the API (`marlaas.api.access.max_lora_rank`). The hf engine
@@ -140,7 +144,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _jit_or_min_fill(self) -> Settings:
-        if self.gen_jit_jobs and self.gen_min_fill:
+        if self.gen_jit_jobs != "auto" and self.gen_jit_jobs and self.gen_min_fill:
             raise ValueError("MARLAAS_GEN_JIT_JOBS and MARLAAS_GEN_MIN_FILL exclude each other: a batch that waits "
                              "to be filled by groups ahead gets none when generation is just in time")
         return self

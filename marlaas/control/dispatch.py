@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from operator import attrgetter
 
-from marlaas.control import scheduler
+from marlaas.control import jit, scheduler
 from marlaas.control.memory import MEMORY, TableJob, TickMemory
 from marlaas.settings import Settings
 from marlaas.store import Store
@@ -60,7 +60,7 @@ class TickConfig:
     stall_s: float = _default("stall_s")
     gen_batch_rows: int = _default("gen_batch_rows")
     gen_min_fill: float = _default("gen_min_fill")
-    gen_jit_jobs: int = _default("gen_jit_jobs")
+    gen_jit_jobs: int | str = _default("gen_jit_jobs")  # a number, or 'auto' (control/jit.py)
     admission_memory_fraction: float = _default("admission_memory_fraction")
     retention_s: float = _default("retention_s")
 
@@ -117,6 +117,13 @@ def snapshot(store: Store, now: float, config: TickConfig = TickConfig(),
         for i, j in enumerate(jobs):
             if j.id == pick or j.id in need:
                 states[i] = replace(j.state, ready=j.id == pick, need_eval=need.get(j.id, ()))
+    gauge = memory.gauge(store.url)
+    was = gauge.jit
+    jit_jobs = jit.jit_jobs(config.gen_jit_jobs, config.gen_min_fill, gauge, now,
+                            jit.gen_busy_share(state["gen_inflight"], n_gen), 0.0 if trainer_free else 1.0)
+    if gauge.jit != was and config.gen_jit_jobs == jit.AUTO:
+        log.info("just in time generation %s: generate station busy %.2f, trainer %.2f of the time (averages)",
+                 "on" if gauge.jit else "off", gauge.gen, gauge.train)
     tinker = _tinker_candidates(store) if trainer_free else ()
     if tinker:  # which jobs are between steps matters only when a Tinker model wants the lane
         stepping = memory.stepping(store.url, jobs, now, scheduler.ANTICIPATE_S)
@@ -129,7 +136,7 @@ def snapshot(store: Store, now: float, config: TickConfig = TickConfig(),
         trainer_free=trainer_free,
         expired=expired,
         min_batch_rows=int(config.gen_min_fill * config.gen_batch_rows),
-        jit_jobs=config.gen_jit_jobs,
+        jit_jobs=jit_jobs,
         tinker=tinker,
         gen_workers=n_gen,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 from operator import attrgetter
 
 from marlaas.control import scheduler
+from marlaas.control.jit import JitGauge
 from marlaas.store import Store
 from marlaas.types import ACTIVE_STATUSES
 
@@ -89,8 +90,9 @@ class TableView:
 
 class TickMemory:
     """What a process remembers between its ticks: per store URL its copy of the scheduling table,
-    and the evaluations known to be stored (permanent once stored). One per process (`MEMORY`); a
-    benchmark or test that wants a cold tick calls `forget(url)`."""
+    the stations' time-averaged busy shares (control/jit.py), and the evaluations known to be stored
+    (permanent once stored). One per process (`MEMORY`); a benchmark or test that wants a cold tick
+    calls `forget(url)`."""
 
     def __init__(self) -> None:
         self.views: dict[str, TableView] = {}  # store url -> its view
@@ -99,9 +101,13 @@ class TickMemory:
         # store url -> job key -> ((version, dispatched), when first seen so): the watchdog's clock
         self.progress: dict[str, dict[tuple, tuple[tuple[int, int], float]]] = {}
         self.last_gc: dict[str, float] = {}  # store url -> when this process last collected garbage
+        self.gauges: dict[str, JitGauge] = {}  # store url -> its stations' busy shares (automatic just in time)
 
     def view(self, url: str) -> TableView:
         return self.views.setdefault(url, TableView())
+
+    def gauge(self, url: str) -> JitGauge:
+        return self.gauges.setdefault(url, JitGauge())
 
     def forget(self, url: str) -> None:
         """Drop the table copy of one store: the next tick reads every row again."""
