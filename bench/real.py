@@ -7,8 +7,13 @@ What it measures, on a real instruction-tuned base (SmolLM2-135M-Instruct, impor
 $MARLAAS_HOME/models/smollm2-135m-instruct; a directory given with `--base` is used read-only and
 its files are hashed before and after the run) through one warm private worker stack started from
 the Procfile lines (hf engine, MARLAAS_THREADS=1):
-  (a) sync:  each task's job alone, max_staleness 0, one job after another;
-  (b) async: every task's job submitted at once, max_staleness `--staleness` (2);
+  (a) sync:  each task's job alone, max_staleness 0, one job after another, the whole machine: each
+             step's generation split over every idle generate worker (the scheduler's spread) and
+             the trainer with `--sync-train-threads` torch threads (default: the cores; it never runs
+             beside generation here);
+  (b) async: every task's job submitted at once, max_staleness `--staleness` (2), one thread per
+             process (the stations share the cores), just-in-time generation as `--jit-jobs` says
+             (default 'auto': the scheduler's own choice, its switches reported per mode);
   (c) trl:   TRL's GRPOTrainer (`bench` extra), job after job in this one warm process with torch
              threads = cores, after the stack has stopped (the whole machine), on the same base, rows
              (rendered by the base's chat template as our admission renders them), rewards (the task's
@@ -28,10 +33,10 @@ each evaluation with checks that generation stopped at EOS (no chat-template mar
 and that the job record says chat_template "applied".
 Per job also: samples per second and the step latency (p50/p95 seconds between consecutive versions;
 for TRL each step from the previous one's end, the first from the start of training). Each marlaas
-mode's `busy` entry has the stations' work seconds and this machine's ceiling for that work
-(max(trainer work, all work / cores)) and the mode's share of it: task wall seconds, so it holds only
-while the stack's busy processes do not outnumber the cores (past that, tasks stretch and the share
-can pass 1).
+mode's `busy` entry has the stations' task seconds, the CPU seconds of every stack process (from
+/proc), and this machine's ceiling for that work: max(the trainer's CPU seconds, the generate
+workers' over their number, all over the cores), the shortest wall those CPU seconds allow, and the
+mode's share of it (1: no core ever idle that the work could have used).
 `peers.trl`: TRL's wall over (b)'s and over (a)'s, each task's final accuracy gap to TRL in points.
 `rss_over_weights`: every stack process's peak RSS over the base's safetensors bytes.
 The goal: >= 3 tasks rise >= 10 points over the base in both (a) and (b); mean |(a) - (b)| <= 5 points;
@@ -150,24 +155,29 @@ def finish_record(job, spec: JobSpec, wall_s: float) -> dict:
     return rec
 
 
-def measure(store: Store, t0: float, t1: float) -> dict:
+def measure(store: Store, t0: float, t1: float, cpu0: dict[str, float], cpu1: dict[str, float],
+            gen_lines: int) -> dict:
     """Each station's busy fraction and busy seconds (union of its tasks) over [t0, t1], its work
-    seconds (sum of its tasks: two generate workers busy at once count twice), and this machine's
-    ceiling for that work: the shortest wall it allows, max(the trainer lane's work, all work / cores)
-    (every task of the stack runs on one thread)."""
+    seconds (sum of its tasks: two generate workers busy at once count twice), the CPU seconds each
+    stack line used, and this machine's ceiling for that work: the shortest wall the CPU seconds
+    allow, max(the trainer's CPU seconds, the generate workers' over their number, all of them over
+    the cores) -- each process's work cannot go faster than its threads, nor the whole faster than
+    the cores -- and the mode's share of it."""
     ev = [e for e in store.events(since=t0) if e["start"] <= t1]
     work = {s: round(sum(max(0.0, min(e["end"], t1) - max(e["start"], t0)) for e in ev if e["station"] == s), 1)
             for s in STATIONS}
-    ceiling = max(work.get("train", 0.0), sum(work.values()) / (os.cpu_count() or 1))
+    cpu = {n: round(cpu1[n] - cpu0.get(n, 0.0), 1) for n in cpu1}
+    gen_cpu = sum(v for n, v in cpu.items() if n.startswith("generate"))
+    ceiling = max(cpu.get("train", 0.0), gen_cpu / max(1, gen_lines), sum(cpu.values()) / (os.cpu_count() or 1))
     return {"busy_fraction": busy_fractions(ev, t0, t1),
             "busy_s": {s: round(union_length([(e["start"], e["end"]) for e in ev if e["station"] == s], t0, t1), 1)
                        for s in STATIONS},
-            "work_s": work, "ceiling_s": round(ceiling, 1), "wall_s": round(t1 - t0, 1),
+            "work_s": work, "cpu_s": cpu, "ceiling_s": round(ceiling, 1), "wall_s": round(t1 - t0, 1),
             "share_of_ceiling": round(ceiling / max(t1 - t0, 1e-9), 3)}
 
 
-def run_sync(client: Client, tasks: list[str], a, save) -> tuple[dict, float, dict]:
-    out, t0 = {}, time.time()
+def run_sync(client: Client, stack: Stack, tasks: list[str], a, save, threads: int) -> tuple[dict, float, dict]:
+    out, t0, cpu0 = {}, time.time(), cpu_seconds(stack)
     for i, task in enumerate(tasks):
         spec = task_spec(task, i, a, 0, "sync")
         t = time.time()
@@ -178,12 +188,12 @@ def run_sync(client: Client, tasks: list[str], a, save) -> tuple[dict, float, di
               f"({out[task]['wall_s']} s)", flush=True)
         save(partial_sync=out)
     t1 = time.time()
-    return out, sum(r["wall_s"] for r in out.values()), measure(client.store, t0, t1)
+    return out, sum(r["wall_s"] for r in out.values()), mode_busy(client, stack, a, t0, t1, cpu0, threads)
 
 
-def run_async(client: Client, tasks: list[str], a) -> tuple[dict, float, dict]:
+def run_async(client: Client, stack: Stack, tasks: list[str], a, threads: int) -> tuple[dict, float, dict]:
     specs = [task_spec(task, i, a, a.staleness, "async") for i, task in enumerate(tasks)]
-    t0 = time.time()
+    t0, cpu0 = time.time(), cpu_seconds(stack)
     jobs = [client.submit(s) for s in specs]
     for j in jobs:
         j.wait(timeout=a.job_timeout * len(tasks))
@@ -192,7 +202,30 @@ def run_async(client: Client, tasks: list[str], a) -> tuple[dict, float, dict]:
     for task, r in out.items():
         print(f"async {task}: {r['status']} {r['base_acc']} -> {r['final_acc']} "
               f"staleness {r['staleness_histogram']}", flush=True)
-    return out, round(t1 - t0, 1), measure(client.store, t0, t1)
+    return out, round(t1 - t0, 1), mode_busy(client, stack, a, t0, t1, cpu0, threads)
+
+
+def mode_busy(client: Client, stack: Stack, a, t0: float, t1: float, cpu0: dict[str, float], threads: int) -> dict:
+    """measure() of a mode, with the threads its trainer had and the automatic just-in-time switches."""
+    out = measure(client.store, t0, t1, cpu0, cpu_seconds(stack), a.generate_workers)
+    out["train_threads"] = threads
+    if a.jit_jobs == "auto":
+        out["jit_switches"] = jit_switches(stack.log_dir / "control.log", t0, t1)
+    return out
+
+
+def train_with_threads(stack: Stack, client: Client, threads: int, a, tasks: list[str]) -> None:
+    """(Re)start the trainer with `threads` torch threads and warm it with a one-step job, so no
+    mode's wall holds a model load."""
+    if "train" in stack.procs:
+        stack.kill("train")
+    stack.start("train", env={"MARLAAS_THREADS": str(threads)})
+    t = time.time()
+    warm = JobSpec(tenant="warmup", task=f"reasoning_gym:{tasks[0]}", task_config=TASK_CONFIGS[tasks[0]],
+                   steps=1, group_size=2, prompts_per_step=1, max_new_tokens=a.max_new_tokens,
+                   eval_size=2, eval_k=0, max_staleness=0, seed=10_000)
+    client.submit(warm).wait(timeout=a.job_timeout)
+    print(f"trainer with {threads} thread(s), warm after {time.time() - t:.0f} s", flush=True)
 
 
 def run_trl(base: Path, tasks: list[str], a, save) -> tuple[dict, float]:
@@ -258,6 +291,41 @@ def _children(pid: int) -> list[int]:
                 continue
             out += kids
             todo += kids
+    return out
+
+
+def cpu_seconds(stack: Stack) -> dict[str, float]:
+    """Per stack line: CPU seconds (user + system) of its process and every descendant, alive or
+    reaped (cutime/cstime), from /proc/<pid>/stat."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, proc in stack.procs.items():
+        total = 0
+        for pid in [proc.pid, *_children(proc.pid)]:
+            try:
+                f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            total += sum(int(x) for x in f[11:15])  # utime stime cutime cstime (fields 14-17)
+        out[name] = total / tick
+    return out
+
+
+def jit_switches(log: Path, t0: float, t1: float) -> list[str]:
+    """The automatic just-in-time choice's switches logged by the control worker within [t0, t1]
+    (none: it stayed just in time, its starting choice, the whole time)."""
+    if not log.is_file():
+        return []
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if "just in time generation" not in line or not line.startswith("["):
+            continue
+        try:
+            at = time.mktime(time.strptime(line[1:20], "%Y-%m-%d %H:%M:%S"))
+        except ValueError:
+            continue
+        if t0 - 1 <= at <= t1 + 1:
+            out.append(line[1:20] + " " + line.split("] ", 1)[-1][:160])
     return out
 
 
@@ -374,6 +442,19 @@ def plot(out: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def jit_setting(text: str) -> int | str:
+    """--jit-jobs: 'auto' or a whole number >= 0 (MARLAAS_GEN_JIT_JOBS)."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 'auto' or a whole number >= 0")
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", default="basic_arithmetic,gcd,lcm,letter_counting",
@@ -395,9 +476,13 @@ def main() -> None:
                     help="of sync (a), async (b), trl (c: TRL's GRPOTrainer, job after job, after the stack stops)")
     ap.add_argument("--generate-workers", type=int, default=2,
                     help="generate worker processes, 1 thread each (generation dominates a real model on CPU)")
-    ap.add_argument("--jit-jobs", type=int, default=0,
-                    help="MARLAAS_GEN_JIT_JOBS of the stack: from this many jobs training on, generate just in time "
-                         "(no groups ahead; 0: ahead as far as each job's staleness bound allows)")
+    ap.add_argument("--jit-jobs", type=jit_setting, default="auto",
+                    help="MARLAAS_GEN_JIT_JOBS of the stack: 'auto' (the default: the scheduler chooses), or from "
+                         "this many jobs training on, generate just in time (0: ahead as far as each job's "
+                         "staleness bound allows)")
+    ap.add_argument("--sync-train-threads", type=int, default=os.cpu_count() or 1,
+                    help="torch threads of the trainer in (a), where it never runs beside another job's "
+                         "generation (default: the cores); (b) gives every process one")
     ap.add_argument("--job-timeout", type=float, default=3600.0)
     ap.add_argument("--base", type=Path, default=None, help="an imported base directory, used read-only")
     ap.add_argument("--base-dir", type=Path, default=None,
@@ -452,7 +537,8 @@ def main() -> None:
                       "min_lr_ratio": a.min_lr_ratio, "lora": {"rank": a.lora_rank, "alpha": 2.0 * a.lora_rank,
                                                       "targets": "all-linear"},
                       "temperature": a.temperature, "async_max_staleness": a.staleness, "engine": "hf",
-                      "threads_per_process": 1, "generate_workers": a.generate_workers,
+                      "threads_per_process": 1, "sync_train_threads": a.sync_train_threads,
+                      "generate_workers": a.generate_workers,
                       "gen_jit_jobs": a.jit_jobs},
             "tasks": {},
             "sync_wall_s": state["sync_wall_s"],
@@ -492,24 +578,26 @@ def main() -> None:
         try:
             for i in range(2, a.generate_workers + 1):  # more generate workers: the same line, another node name
                 stack.lines[f"generate{i}"] = stack.lines["generate"].replace("-n generate@", f"-n generate{i}@")
-            stack.start(*[n for n in STACK_LINES if n in stack.lines],
+            stack.start(*[n for n in STACK_LINES if n in stack.lines and n != "train"],
                         *[f"generate{i}" for i in range(2, a.generate_workers + 1)])
-            wait_for_workers(Store(stack.url), timeout=300)
+            wait_for_workers(Store(stack.url), stations=("generate", "verify", "control"), timeout=300)
             client = Client(stack.url)
             print(f"stack up after {time.time() - t_start:.0f} s", flush=True)
             t = time.time()  # engines warm (first calls, lazy loads) before anything is timed
-            warm = JobSpec(tenant="warmup", task=f"reasoning_gym:{tasks[0]}", task_config=TASK_CONFIGS[tasks[0]],
-                           steps=1, group_size=2, prompts_per_step=1, max_new_tokens=a.max_new_tokens,
-                           eval_size=2, eval_k=0, max_staleness=0, seed=10_000)
-            client.submit(warm).wait(timeout=a.job_timeout)
+            threads = a.sync_train_threads if "sync" in modes else 1
+            train_with_threads(stack, client, threads, a, tasks)
             state["warmup_s"] = round(time.time() - t, 1)
-            print(f"warmup job {state['warmup_s']} s", flush=True)
-            if "sync" in modes:
-                state["sync"], state["sync_wall_s"], state["busy"]["sync"] = run_sync(client, tasks, a, save)
+            if "sync" in modes:  # the trainer alone while a lone job trains: the cores it can use
+                state["sync"], state["sync_wall_s"], state["busy"]["sync"] = run_sync(client, stack, tasks, a, save,
+                                                                                       threads)
                 state["rss_mb"]["after_sync"] = peak_rss(stack)
                 out = save()
-            if "async" in modes:
-                state["async"], state["async_wall_s"], state["busy"]["async"] = run_async(client, tasks, a)
+            if "async" in modes:  # one thread per process: the stations share the cores
+                if threads != 1:
+                    threads = 1
+                    train_with_threads(stack, client, threads, a, tasks)
+                state["async"], state["async_wall_s"], state["busy"]["async"] = run_async(client, stack, tasks, a,
+                                                                                         threads)
                 state["rss_mb"]["after_async"] = peak_rss(stack)
                 out = save()
         finally:

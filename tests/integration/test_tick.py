@@ -389,3 +389,29 @@ def test_a_tinker_model_comes_back_at_the_virtual_time_and_it_never_moves_back(s
     st.release_trainer(token)
     st.advance_pass(jid, 1.0)
     assert float(st.r.get(VT)) == 100.0
+
+
+@pytest.mark.integration
+def test_the_tick_chooses_just_in_time_by_itself_and_a_number_overrides(st):
+    """MARLAAS_GEN_JIT_JOBS=auto (TickConfig's default): two jobs training get only their next
+    step's groups (staleness 0) while the gauge says a station is busy (its starting choice); the
+    gauge's choice of groups ahead, or the setting 0, lets groups ahead out as far as the bound."""
+    a, b = make_job(st, "a"), make_job(st, "b")  # 3 steps of 2 groups, staleness 1: 4 groups admissible
+    st.heartbeat("generate@h:1", "generate")
+    st.heartbeat("generate@h:2", "generate")
+    assert dispatch.TickConfig().gen_jit_jobs == "auto"
+    memory = dispatch.TickMemory()
+    plan = dispatch.tick(st, lambda msgs: None, dispatch.TickConfig(), memory=memory)
+    assert plan is not None and plan.dispatched == {a: 2, b: 2}
+    assert memory.gauge(st.url).jit
+    # the gauge switches to groups ahead: the next tick sends each job's step-1 groups
+    g = memory.gauge(st.url)
+    g.jit, g.since, g.spells, g.step_s, g.gen, g.train = False, time.time(), 10, 100.0, 0.0, 0.0
+    st.r.delete(GEN_INFLIGHT)
+    plan = dispatch.tick(st, lambda msgs: None, dispatch.TickConfig(), memory=memory)
+    assert plan is not None and plan.dispatched == {a: 4, b: 4}
+    # a number overrides the gauge: 0 always ahead (a third job, fresh memory that would choose jit)
+    c = make_job(st, "c")
+    st.r.delete(GEN_INFLIGHT)
+    plan = dispatch.tick(st, lambda msgs: None, dispatch.TickConfig(gen_jit_jobs=0), memory=dispatch.TickMemory())
+    assert plan is not None and plan.dispatched == {c: 4}
