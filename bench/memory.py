@@ -33,7 +33,7 @@ def _status() -> dict[str, float]:
     out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         k, _, v = line.partition(":")
-        if k in ("VmRSS", "VmHWM"):
+        if k in ("VmRSS", "VmHWM", "RssFile"):
             out[k] = int(v.split()[0]) / 1024  # kB -> MiB
     return out
 
@@ -56,6 +56,8 @@ class Stages:
         out = fn()
         s = _status()
         self.rows.append({"stage": name, "peak_mb": round(s["VmHWM"], 1), "rss_after_mb": round(s["VmRSS"], 1),
+                          "file_backed_mb": round(s["RssFile"], 1),
+                          "peak_private_mb": round(s["VmHWM"] - s["RssFile"], 1),
                           "peak_is_stage_only": reset, "seconds": round(time.perf_counter() - t0, 2)})
         print(f"  {name}: peak {s['VmHWM']:.0f} MiB, after {s['VmRSS']:.0f} MiB", file=sys.stderr, flush=True)
         return out
@@ -78,7 +80,9 @@ def station_generate(base: Path, a) -> list[dict]:
 
     torch.set_num_threads(1)
     st = Stages()
-    eng = st.run("load", lambda: HFEngine(base, lambda ref: None, threads=1))
+    call_tokens = None if a.call_tokens == "none" else a.call_tokens if a.call_tokens == "auto" else int(a.call_tokens)
+    eng = st.run("load", lambda: HFEngine(base, lambda ref: None, threads=1, max_rows_per_call=a.rows_per_call,
+                                          call_tokens=call_tokens))
     ev = _prompts(eng.tokenizer, a.eval_rows, 1)
     reqs = [GenRequest(key=f"e{i}", prompt=p, adapter=None, greedy=True, max_new_tokens=a.max_new)
             for i, p in enumerate(ev)]
@@ -87,7 +91,7 @@ def station_generate(base: Path, a) -> list[dict]:
     reqs = [GenRequest(key=f"s{i}", prompt=p, adapter=None, n=4, seed=i, temperature=1.0,
                        max_new_tokens=a.max_new) for i, p in enumerate(tr)]
     st.run(f"sampled step (4 prompts x 4 rows x {a.max_new} tokens)", lambda: eng.generate(reqs))
-    return st.rows
+    return {"stages": st.rows, "call_tokens": eng.call_tokens}
 
 
 def station_train(base: Path, a) -> list[dict]:
@@ -99,7 +103,7 @@ def station_train(base: Path, a) -> list[dict]:
     from marlaas.train.step import step
 
     st = Stages()
-    eng = st.run("load", lambda: TrainingEngine(base, threads=1, cache_size=8))
+    eng = st.run("load", lambda: TrainingEngine(base, threads=1, cache_size=8, checkpointing=a.checkpointing))
     spec = JobSpec.model_construct(task="rg:chain_sum", lora=LoraSpec(rank=8, alpha=16.0), rl=RLSpec(),
                                    learning_rate=1e-3, temperature=1.0, seed=0)
     rnd = random.Random(0)
@@ -110,7 +114,7 @@ def station_train(base: Path, a) -> list[dict]:
             samples.append(TrainSample(p, comp, [-2.0] * len(comp), advantage=1.0 if k % 2 else -1.0))
     st.run(f"first RL step (16 rows x {a.max_new} tokens)", lambda: step(eng, "j", 0, spec, samples, None))
     st.run("second RL step", lambda: step(eng, "j", 1, spec, samples, None))
-    return st.rows
+    return {"stages": st.rows}
 
 
 def main() -> None:
@@ -118,6 +122,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--eval-rows", type=int, default=200)
     ap.add_argument("--max-new", type=int, default=12)
+    ap.add_argument("--rows-per-call", type=int, default=1024, help="the generate engine's rows per model call")
+    ap.add_argument("--call-tokens", default="auto",
+                    help="the generate engine's row-tokens per model call: auto (its default), none, or a number")
+    ap.add_argument("--checkpointing", action="store_true", help="the trainer's gradient checkpointing on")
     ap.add_argument("--station", choices=("generate", "train"), help=argparse.SUPPRESS)  # the child's part
     ap.add_argument("--base", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -137,17 +145,30 @@ def main() -> None:
     for name in ("generate", "train"):
         print(f"{name}:", file=sys.stderr, flush=True)
         r = subprocess.run([sys.executable, __file__, "--station", name, "--base", str(base), "--eval-rows",
-                            str(a.eval_rows), "--max-new", str(a.max_new)], capture_output=True, text=True,
+                            str(a.eval_rows), "--max-new", str(a.max_new), "--rows-per-call", str(a.rows_per_call),
+                            "--call-tokens", a.call_tokens,
+                            *(["--checkpointing"] if a.checkpointing else [])], capture_output=True, text=True,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
         if r.returncode:
             sys.exit(f"the {name} process failed:\n{r.stderr[-3000:]}")
-        rows = json.loads(r.stdout.strip().splitlines()[-1])
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        rows = got["stages"]
         for row in rows:
             row["peak_over_weights"] = round(row["peak_mb"] / weight_mb, 2)
-        stations[name] = {"stages": rows, "peak_mb": max(x["peak_mb"] for x in rows),
-                          "peak_over_weights": round(max(x["peak_mb"] for x in rows) / weight_mb, 2)}
-    res = {"command": "bench/memory.py" + (f" --out {a.out}" if a.out else ""), "date": time.strftime("%Y-%m-%d"),
+            row["peak_private_over_weights"] = round(row["peak_private_mb"] / weight_mb, 2)
+        stations[name] = {**got, "peak_mb": max(x["peak_mb"] for x in rows),
+                          "peak_over_weights": round(max(x["peak_mb"] for x in rows) / weight_mb, 2),
+                          "peak_private_mb": max(x["peak_private_mb"] for x in rows),
+                          "peak_private_over_weights": round(max(x["peak_private_mb"] for x in rows) / weight_mb, 2)}
+    cmd = (f"bench/memory.py --eval-rows {a.eval_rows} --max-new {a.max_new} --rows-per-call {a.rows_per_call}"
+           f" --call-tokens {a.call_tokens}"
+           + (" --checkpointing" if a.checkpointing else "") + (f" --out {a.out}" if a.out else ""))
+    res = {"command": cmd, "date": time.strftime("%Y-%m-%d"),
            "base": BASE_NAME, "weights_mb": round(weight_mb, 1), "eval_rows": a.eval_rows, "max_new_tokens": a.max_new,
+           "rows_per_call": a.rows_per_call, "checkpointing": a.checkpointing,
+           "private_is": "peak RSS less the file-backed pages at the stage's end (the weights, mapped from the "
+                         "safetensors file, and the libraries: one copy in the page cache for every process of "
+                         "the host that maps them)",
            "target_peak_over_weights": 2.5, "stations": stations}
     print(json.dumps(res, indent=1))
     if a.out:

@@ -48,7 +48,8 @@ def engine():
         from marlaas.train.engine import TrainingEngine
 
         s = get_settings()
-        _engine = TrainingEngine(base_dir(), threads=s.threads, device=s.device, dtype=s.dtype)
+        _engine = TrainingEngine(base_dir(), threads=s.threads, device=s.device, dtype=s.dtype,
+                                 checkpointing=s.train_checkpointing)
     return _engine
 
 

@@ -6,10 +6,16 @@ place into the slot of its previous version (same LoRA shape), or once the cache
 least recently used slot, instead of PEFT's add/delete, whose cost grows with the adapters
 registered (`_ensure`; `load(ref)` loads one ahead of a call).
 Requests are grouped by (temperature, max_new_tokens, greedy, top_k, top_p); each group is one
-`generate` call over all its rows (each request's prompt, its `prompt_ids` as given or its text
-tokenized, repeated `n` times, left-padded). Stops are per row (`_RowStops`, a transformers
-StoppingCriteria over each request's `StopMatcher`): a row ends at its own stop token ids and stop
-strings (multi-token strings on the decoded tail); only EOS marks a completion `finished`:
+`generate` call over its rows (each request's prompt, its `prompt_ids` as given or its text
+tokenized, repeated `n` times, left-padded), split into several calls of whole requests where it
+would pass `max_rows_per_call` rows or the call's token budget (`marlaas.generate.calls`): a
+call's working memory (its KV cache, the prefill's activations) grows with rows x (padded prompt +
+new tokens), so on the CPU one call holds at most `call_tokens` of them, by default what half the weights' bytes buy
+(`calls.call_token_budget`: a generate worker's peak stays near weights + libraries + half the weights,
+where a 200-prompt evaluation in one call took it to 3.5x the weights of SmolLM2-135M).
+Stops are per row (`_RowStops`, a transformers StoppingCriteria over each request's `StopMatcher`):
+a row ends at its own stop token ids and stop strings (multi-token strings on the decoded tail);
+only EOS marks a completion `finished`:
 
 - every row on one adapter: the stacked path below with one adapter (PEFT's `set_adapter` walks
   every registered adapter, a cost that grows with the cache: docs/performance.md); `set_adapter` with
@@ -47,6 +53,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from marlaas.adapters import lora_config_from_dict
+from marlaas.generate.calls import call_plan, call_token_budget
 from marlaas.generate.engine import (
     AdapterSource,
     GenerationEngine,
@@ -129,6 +136,7 @@ class HFEngine(GenerationEngine):
         dtype: str = "auto",
         reuse_slots: bool = True,
         max_lora_rank: int = 64,
+        call_tokens: int | None | str = "auto",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -151,6 +159,12 @@ class HFEngine(GenerationEngine):
         self.model.to(self.device)
         self.model.eval()
         self.eos_ids = eos_token_ids(self.tokenizer, self.model.generation_config)
+        if call_tokens == "auto":  # the CPU's calls within half the weights' bytes; a GPU's by rows only
+            weight_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
+            dtype_bytes = next(self.model.parameters()).element_size()
+            call_tokens = (call_token_budget(self.model.config, dtype_bytes, max(64 * 2**20, weight_bytes / 2))
+                           if self.device.type == "cpu" else None)
+        self.call_tokens = call_tokens
         self.peft = None  # PeftModel, created with the first adapter
         self._cache: OrderedDict[AdapterRef, str] = OrderedDict()
         self._shape: dict[str, str] = {}  # adapter name -> its LoRA config (JSON): slots are reused by shape
@@ -306,17 +320,9 @@ class HFEngine(GenerationEngine):
                     (False, float(r.temperature), r.max_new_tokens, max(0, int(r.top_k)), float(r.top_p))
                 groups.setdefault(key, []).append(i)
             for key, idxs in groups.items():
-                # Keep each call under max_rows_per_call rows (whole requests only).
-                batch: list[int] = []
-                rows = 0
-                for i in idxs:
-                    if batch and rows + requests[i].n > self.max_rows_per_call:
-                        self._run_group(requests, batch, names, key, ignore_eos, results, matchers)
-                        batch, rows = [], 0
-                    batch.append(i)
-                    rows += requests[i].n
-                if batch:
-                    self._run_group(requests, batch, names, key, ignore_eos, results, matchers)
+                sized = [(requests[i].n, len(self._prompt_ids(requests[i]))) for i in idxs]
+                for call in call_plan(sized, key[2], self.max_rows_per_call, self.call_tokens):
+                    self._run_group(requests, [idxs[k] for k in call], names, key, ignore_eos, results, matchers)
         return results  # type: ignore[return-value]
 
     def _prompt_ids(self, r: GenRequest) -> list[int]:

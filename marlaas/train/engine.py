@@ -77,7 +77,7 @@ class TrainingEngine:
     """Trains per-key LoRA adapters on one resident base model (see the module docstring)."""
 
     def __init__(self, base_path: str | Path, *, threads: int = 1, cache_size: int = 32, device: str = "cpu",
-                 dtype: str = "auto"):
+                 dtype: str = "auto", checkpointing: bool = False):
         from transformers import AutoModelForCausalLM
 
         from marlaas.base.tiny import load_tokenizer
@@ -93,6 +93,8 @@ class TrainingEngine:
         self.base = AutoModelForCausalLM.from_pretrained(self.base_path, dtype=resolve_dtype(dtype, self.device))
         self.base.to(self.device)
         self.base.requires_grad_(False)
+        if checkpointing:  # keep each layer's input only; recompute its activations during backward
+            self.base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = None  # the PeftModel, created with the first adapter
         self._jobs: OrderedDict[str, _Entry] = OrderedDict()
         self._pinned: set[str] = set()

@@ -415,3 +415,34 @@ def test_a_seeded_request_samples_the_same_alone_or_in_any_batch(world, engines,
         for ca, cb in zip(a.completions, b.completions):
             assert ca.logprobs == pytest.approx(cb.logprobs, abs=1e-4)
     assert len({tuple(c.token_ids) for r in whole for c in r.completions}) > 6  # it does sample
+
+
+def test_hf_calls_within_a_token_budget_sample_the_same(world, engines):
+    """The HF engine's token budget splits a batch into several model calls (whole requests, each
+    within the budget) without changing a seeded sample or a greedy answer."""
+    eng, _ = engines("hf")
+    reqs = [GenRequest(f"b{j}", PROMPTS[j % len(PROMPTS)], (A1, None)[j % 2], n=3, temperature=1.0,
+                       max_new_tokens=6, seed=70 + j) for j in range(5)]
+    reqs.append(GenRequest("greedy", PROMPTS[0], A2, greedy=True, max_new_tokens=6))
+    calls = []
+    run_group = eng._run_group
+
+    def counting(requests, idxs, *a):
+        calls.append([requests[i].key for i in idxs])
+        return run_group(requests, idxs, *a)
+
+    eng._run_group = counting
+    before = eng.call_tokens
+    try:
+        eng.call_tokens = None
+        whole = eng.generate(reqs)
+        assert len(calls) == 2  # one sampled group, one greedy
+        calls.clear()
+        width = max(len(eng.tokenizer(p)["input_ids"]) for p in PROMPTS)
+        eng.call_tokens = 6 * (width + 6)  # two requests of 3 rows at most per call
+        split = eng.generate(reqs)
+    finally:
+        eng._run_group, eng.call_tokens = run_group, before
+    assert [len(c) for c in calls] == [2, 2, 1, 1] and sum(calls, []) == [r.key for r in reqs]
+    assert [[c.token_ids for c in r.completions] for r in whole] == [[c.token_ids for c in r.completions]
+                                                                     for r in split]

@@ -293,3 +293,15 @@ def test_a_pinned_adapter_keeps_its_gradients_while_others_come_and_go(random_ba
     for k in ("d", "e"):
         small.adapter(k, config, seed=2)
     assert set(small.cached()) == {"d", "e"}  # unpinned, it goes like any other
+
+
+def test_gradient_checkpointing_trains_the_same_weights(random_base):
+    """The trainer's gradient checkpointing (activations recomputed in backward instead of kept)
+    changes memory, not the step: the same samples and seed give the same adapter and loss."""
+    samples = _samples(12)
+    plain = step(TrainingEngine(random_base, threads=1, cache_size=2), "ckpt", 0, _spec(seed=3), samples, None)
+    eng = TrainingEngine(random_base, threads=1, cache_size=2, checkpointing=True)
+    assert any(getattr(m, "gradient_checkpointing", False) for m in eng.base.modules())
+    ckpt = step(eng, "ckpt", 0, _spec(seed=3), samples, None)
+    assert ckpt.metrics["loss"] == pytest.approx(plain.metrics["loss"], rel=1e-5, abs=1e-7)
+    _assert_same_weights(plain.adapter, ckpt.adapter)
