@@ -170,6 +170,7 @@ class Sim:
         self.trace: list[tuple] = []
         self.gen_work = self.lane_work = True
         self.gauge, self.jit_jobs, self.jit_on_s = JitGauge(), 0, 0.0  # automatic just in time, as a tick runs it
+        self.jit_t: float | None = None  # the previous tick's time (jit_on_s adds up the ticks' intervals)
 
     # -- state -> Snapshot -> Plan -> state ------------------------------------------------------
 
@@ -184,11 +185,13 @@ class Sim:
         lane_free = self.lanes_taken < self.c.train_lanes
         # Every state change reaches here, so the gauge sees each station's state over all of time
         # (a real tick samples it every second and after every task).
-        if self.jit_jobs and self.gauge.last is not None:
-            self.jit_on_s += self.now - self.gauge.last
+        if self.jit_jobs and self.jit_t is not None:
+            self.jit_on_s += self.now - self.jit_t
+        self.jit_t = self.now
         self.jit_jobs = jit.jit_jobs(self.c.jit_jobs, self.c.min_fill, self.gauge, self.now,
                                      jit.gen_busy_share(self.gen_inflight, self.c.gen_workers),
-                                     self.lanes_taken / self.c.train_lanes)
+                                     self.lanes_taken / self.c.train_lanes,
+                                     sum(1 for j in self.active.values() if j.version < j.w.steps))
         # Skip ticks that cannot dispatch anything: plan() would return an empty Plan. New generate
         # work only appears when a version is published, an evaluation finishes or a job arrives
         # (self.gen_work); a free lane only matters if something could have become ready.

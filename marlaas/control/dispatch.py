@@ -120,7 +120,8 @@ def snapshot(store: Store, now: float, config: TickConfig = TickConfig(),
     gauge = memory.gauge(store.url)
     was = gauge.jit
     jit_jobs = jit.jit_jobs(config.gen_jit_jobs, config.gen_min_fill, gauge, now,
-                            jit.gen_busy_share(state["gen_inflight"], n_gen), 0.0 if trainer_free else 1.0)
+                            jit.gen_busy_share(state["gen_inflight"], n_gen), 0.0 if trainer_free else 1.0,
+                            sum(1 for st in states if st.training))
     if gauge.jit != was and config.gen_jit_jobs == jit.AUTO:
         log.info("just in time generation %s: generate station busy %.2f, trainer %.2f of the time (averages)",
                  "on" if gauge.jit else "off", gauge.gen, gauge.train)

@@ -18,9 +18,12 @@ time (an exponential moving average, every observation weighted by how long it h
 constant of `steps_per_tau` trainer steps as measured). It starts just in time and changes its
 choice only after `min_spells` trainer steps: to groups ahead when the busier station's average is
 below `off`, back to just in time when it reaches `on` (hysteresis), and it holds a new choice for
-one time constant, so it never flaps from tick to tick. A number in `MARLAAS_GEN_JIT_JOBS` overrides
-it; with `MARLAAS_GEN_MIN_FILL` set (one device for both stations, whose large batches need the
-groups ahead) the automatic choice is never just in time.
+one time constant, so it never flaps from tick to tick. It observes only while at least AUTO_JOBS
+jobs are training (the only times the choice applies): a lone job's idle stations say nothing about
+the next crowd, so the choice a crowd made (or the first one, just in time) carries over the lone
+stretches between crowds, and the clock restarts when a crowd does. A number in
+`MARLAAS_GEN_JIT_JOBS` overrides it; with `MARLAAS_GEN_MIN_FILL` set (one device for both
+stations, whose large batches need the groups ahead) the automatic choice is never just in time.
 """
 
 from __future__ import annotations
@@ -61,9 +64,14 @@ class JitGauge:
             return self.tau_max_s
         return min(self.tau_max_s, max(self.tau_min_s, self.steps_per_tau * self.step_s))
 
-    def observe(self, now: float, gen_busy: float, train_busy: float) -> bool:
+    def observe(self, now: float, gen_busy: float, train_busy: float, crowd: bool = True) -> bool:
         """Fold in the interval since the last observation (at the values seen then), remember this
-        one, and return the choice: True for just in time. Time going backwards counts as no time."""
+        one, and return the choice: True for just in time. Time going backwards counts as no time.
+        Without a `crowd` (fewer than AUTO_JOBS jobs training) nothing is observed: the averages, the
+        step length and the choice stay as they were, and the next crowd starts a fresh interval."""
+        if not crowd:
+            self.last, self.busy_since = None, None
+            return self.jit
         gen_busy, train_busy = min(1.0, max(0.0, gen_busy)), min(1.0, max(0.0, train_busy))
         if self.last is not None:
             dt = max(0.0, now - self.last)
@@ -88,12 +96,13 @@ class JitGauge:
 
 
 def jit_jobs(setting: int | str, min_fill: float, gauge: JitGauge, now: float, gen_busy: float,
-             train_busy: float) -> int:
+             train_busy: float, training: int = AUTO_JOBS) -> int:
     """The `Snapshot.jit_jobs` a tick plans with: a number setting as it is; `auto` observes the
-    gauge and gives AUTO_JOBS while it chooses just in time (never with a minimum fill), else 0."""
+    gauge (while `training`, the jobs still training, makes a crowd) and gives AUTO_JOBS while it
+    chooses just in time (never with a minimum fill), else 0."""
     if setting != AUTO:
         return int(setting)
-    choice = gauge.observe(now, gen_busy, train_busy)
+    choice = gauge.observe(now, gen_busy, train_busy, crowd=training >= AUTO_JOBS)
     return AUTO_JOBS if choice and not min_fill else 0
 
 

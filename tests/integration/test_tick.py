@@ -403,7 +403,7 @@ def test_the_tick_chooses_just_in_time_by_itself_and_a_number_overrides(st):
     memory = dispatch.TickMemory()
     plan = dispatch.tick(st, lambda msgs: None, dispatch.TickConfig(), memory=memory)
     assert plan is not None and plan.dispatched == {a: 2, b: 2}
-    assert memory.gauge(st.url).jit
+    assert memory.gauge(st.url).jit and memory.gauge(st.url).last is not None  # two jobs training: observed
     # the gauge switches to groups ahead: the next tick sends each job's step-1 groups
     g = memory.gauge(st.url)
     g.jit, g.since, g.spells, g.step_s, g.gen, g.train = False, time.time(), 10, 100.0, 0.0, 0.0

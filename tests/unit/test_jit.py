@@ -82,6 +82,26 @@ def test_hysteresis_and_the_hold_keep_the_choice_from_flapping():
     assert g.observe(30.5, 0.0, 0.0) is False
 
 
+def test_a_lone_job_is_not_observed_and_the_crowd_choice_carries_over():
+    g = JitGauge()
+    t = spells(g, 0.0, 30, 1.0, 9.0, 0.5)  # a crowd with room at both stations: groups ahead
+    assert not g.jit
+    before = (g.gen, g.train, g.step_s, g.spells)
+    # a lone job for a long while: the stations idle, nothing observed, the choice kept
+    for k in range(100):
+        assert g.observe(t + 10.0 * k, 0.0, 1.0 if k % 2 else 0.0, crowd=False) is False
+    assert (g.gen, g.train, g.step_s, g.spells) == before and g.last is None
+    # the next crowd starts a fresh interval: its first observation only restarts the clock
+    t2 = t + 5000.0
+    g.observe(t2, 1.0, 1.0)
+    assert (g.gen, g.train) == before[:2]
+    # a fresh gauge that saw only lone jobs is still just in time when the first crowd comes
+    g = JitGauge()
+    spells_seen = [g.observe(float(k), 0.0, float(k % 2), crowd=False) for k in range(1000)]
+    assert all(spells_seen) and g.spells == 0 and jit_jobs("auto", 0.0, g, 1000.0, 0.0, 0.0, 2) == AUTO_JOBS
+    assert jit_jobs("auto", 0.0, g, 1001.0, 0.0, 0.0, 1) == AUTO_JOBS and g.last is None
+
+
 def test_jit_jobs_a_number_overrides_and_min_fill_excludes():
     g = JitGauge()
     assert jit_jobs(3, 0.0, g, 1.0, 1.0, 1.0) == 3 and jit_jobs(0, 0.0, g, 1.0, 1.0, 1.0) == 0
