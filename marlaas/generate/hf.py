@@ -320,15 +320,17 @@ class HFEngine(GenerationEngine):
                     (False, float(r.temperature), r.max_new_tokens, max(0, int(r.top_k)), float(r.top_p))
                 groups.setdefault(key, []).append(i)
             for key, idxs in groups.items():
-                sized = [(requests[i].n, len(self._prompt_ids(requests[i]))) for i in idxs]
+                ids = {i: self._prompt_ids(requests[i]) for i in idxs}  # tokenized once: planned, then run
+                sized = [(requests[i].n, len(ids[i])) for i in idxs]
                 for call in call_plan(sized, key[2], self.max_rows_per_call, self.call_tokens):
-                    self._run_group(requests, [idxs[k] for k in call], names, key, ignore_eos, results, matchers)
+                    self._run_group(requests, [idxs[k] for k in call], names, key, ignore_eos, results, matchers,
+                                    ids)
         return results  # type: ignore[return-value]
 
     def _prompt_ids(self, r: GenRequest) -> list[int]:
         return list(r.prompt_ids) if r.prompt_ids is not None else self.tokenizer(r.prompt)["input_ids"]
 
-    def _run_group(self, requests, idxs, names, key, ignore_eos, results, matchers) -> None:
+    def _run_group(self, requests, idxs, names, key, ignore_eos, results, matchers, ids) -> None:
         import torch
         from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
@@ -339,7 +341,7 @@ class HFEngine(GenerationEngine):
         for i in idxs:
             r = requests[i]
             name = BASE if r.adapter is None else names[r.adapter]
-            prompts.extend([self._prompt_ids(r)] * r.n)
+            prompts.extend([ids[i]] * r.n)
             row_adapters.extend([name] * r.n)
             row_stops.extend([matchers[i]] * r.n)
         width = max(map(len, prompts))
