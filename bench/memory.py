@@ -9,7 +9,9 @@ bench/real.py does) and reads its resident set after each stage: the peak of tha
 (VmRSS). The work is bench/real.py's: reasoning-gym `chain_sum` questions in the chat template,
   generate: load the engine; one greedy evaluation call of `--eval-rows` prompts (real.py's
             eval_size) with `--max-new` tokens; one sampled step (4 prompts x 4 rows, seeded);
-  train:    load the engine; one RL step (LoRA rank 8, all-linear) on 16 rows of `--max-new` tokens.
+  train:    load the engine; two RL steps (LoRA rank 8, all-linear) on 16 rows of `--max-new` tokens,
+            their rows in micro-batches within `--activation-mb` of activations (the trainer's
+            MARLAAS_TRAIN_ACTIVATION_MB; auto = half the weights' bytes on the CPU).
 Every figure is also given over the base's weight bytes (the float32 safetensors files): the
 target is a peak <= 2.5x the weights per generate and train process.
 """
@@ -99,11 +101,14 @@ def station_train(base: Path, a) -> list[dict]:
 
     from marlaas.spec import JobSpec, LoraSpec, RLSpec
     from marlaas.train.engine import TrainingEngine
-    from marlaas.train.records import TrainSample
+    from marlaas.train.records import Part, TrainSample
     from marlaas.train.step import step
 
     st = Stages()
-    eng = st.run("load", lambda: TrainingEngine(base, threads=1, cache_size=8, checkpointing=a.checkpointing))
+    mb = a.activation_mb
+    micro = None if mb == "none" else "auto" if mb == "auto" else float(mb) * 2**20
+    eng = st.run("load", lambda: TrainingEngine(base, threads=1, cache_size=8, checkpointing=a.checkpointing,
+                                                micro_bytes=micro))
     spec = JobSpec.model_construct(task="rg:chain_sum", lora=LoraSpec(rank=8, alpha=16.0), rl=RLSpec(),
                                    learning_rate=1e-3, temperature=1.0, seed=0)
     rnd = random.Random(0)
@@ -114,7 +119,11 @@ def station_train(base: Path, a) -> list[dict]:
             samples.append(TrainSample(p, comp, [-2.0] * len(comp), advantage=1.0 if k % 2 else -1.0))
     st.run(f"first RL step (16 rows x {a.max_new} tokens)", lambda: step(eng, "j", 0, spec, samples, None))
     st.run("second RL step", lambda: step(eng, "j", 1, spec, samples, None))
-    return {"stages": st.rows}
+    shapes = [(len(eng.tokenizer(s.prompt)["input_ids"]) + len(s.completion_ids), len(s.completion_ids))
+              for s in samples]
+    passes = len(eng._micro_ranges([Part("j", samples, None, additive=True)]))
+    return {"stages": st.rows, "activation_mb": None if eng.micro_bytes is None else round(eng.micro_bytes / 2**20, 1),
+            "passes_per_step": passes, "row_tokens": sum(n for n, _ in shapes)}
 
 
 def main() -> None:
@@ -126,6 +135,9 @@ def main() -> None:
     ap.add_argument("--call-tokens", default="auto",
                     help="the generate engine's row-tokens per model call: auto (its default), none, or a number")
     ap.add_argument("--checkpointing", action="store_true", help="the trainer's gradient checkpointing on")
+    ap.add_argument("--activation-mb", default="auto",
+                    help="the trainer's activations per pass (micro-batches): auto (its default), none, or MiB")
+    ap.add_argument("--stations", default="generate,train", help="which stations to measure")
     ap.add_argument("--station", choices=("generate", "train"), help=argparse.SUPPRESS)  # the child's part
     ap.add_argument("--base", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -142,11 +154,11 @@ def main() -> None:
         import_base(BASE_NAME, base)
     weight_mb = sum(f.stat().st_size for f in base.glob("*.safetensors")) / 2**20
     stations = {}
-    for name in ("generate", "train"):
+    for name in a.stations.split(","):
         print(f"{name}:", file=sys.stderr, flush=True)
         r = subprocess.run([sys.executable, __file__, "--station", name, "--base", str(base), "--eval-rows",
                             str(a.eval_rows), "--max-new", str(a.max_new), "--rows-per-call", str(a.rows_per_call),
-                            "--call-tokens", a.call_tokens,
+                            "--call-tokens", a.call_tokens, "--activation-mb", a.activation_mb,
                             *(["--checkpointing"] if a.checkpointing else [])], capture_output=True, text=True,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
         if r.returncode:
@@ -161,11 +173,11 @@ def main() -> None:
                           "peak_private_mb": max(x["peak_private_mb"] for x in rows),
                           "peak_private_over_weights": round(max(x["peak_private_mb"] for x in rows) / weight_mb, 2)}
     cmd = (f"bench/memory.py --eval-rows {a.eval_rows} --max-new {a.max_new} --rows-per-call {a.rows_per_call}"
-           f" --call-tokens {a.call_tokens}"
+           f" --call-tokens {a.call_tokens} --activation-mb {a.activation_mb} --stations {a.stations}"
            + (" --checkpointing" if a.checkpointing else "") + (f" --out {a.out}" if a.out else ""))
     res = {"command": cmd, "date": time.strftime("%Y-%m-%d"),
            "base": BASE_NAME, "weights_mb": round(weight_mb, 1), "eval_rows": a.eval_rows, "max_new_tokens": a.max_new,
-           "rows_per_call": a.rows_per_call, "checkpointing": a.checkpointing,
+           "rows_per_call": a.rows_per_call, "checkpointing": a.checkpointing, "activation_mb": a.activation_mb,
            "private_is": "peak RSS less the file-backed pages at the stage's end (the weights, mapped from the "
                          "safetensors file, and the libraries: one copy in the page cache for every process of "
                          "the host that maps them)",

@@ -117,8 +117,12 @@ class Settings(BaseSettings):
     """Seconds after which a train task that has not published is considered lost."""
     train_checkpointing: bool = False
     """Gradient checkpointing in the trainer: each layer's activations recomputed during the backward
-    pass instead of kept. Measured on SmolLM2-135M (16 rows, bench/memory.py): the trainer's peak
-    3.5 -> 2.1 GB, a step 1.4x slower; for a trainer host short of memory."""
+    pass instead of kept. Measured on SmolLM2-135M (16 rows in one pass, bench/memory.py): the
+    trainer's peak 3.5 -> 2.1 GB, a step 1.4x slower; for a trainer host short of memory."""
+    train_activation_mb: float | None = Field(None, ge=0)
+    """MARLAAS_TRAIN_ACTIVATION_MB: the activations one trainer pass may hold; a step's rows run in
+    micro-batches within it and their gradients add up (the same step, bounded memory). Unset: half
+    the base's weight bytes on the CPU, one pass on a GPU; 0: one pass always."""
     vllm_args: dict[str, Any] = Field(default_factory=dict)
     """Extra vLLM engine arguments (MARLAAS_VLLM_ARGS, a JSON object) for GPU hosts: max_loras,
     max_adapters (= vLLM's max_cpu_loras), max_num_seqs, max_model_len, kv_cache_memory_bytes, or any

@@ -49,7 +49,8 @@ def engine():
 
         s = get_settings()
         _engine = TrainingEngine(base_dir(), threads=s.threads, device=s.device, dtype=s.dtype,
-                                 checkpointing=s.train_checkpointing)
+                                 checkpointing=s.train_checkpointing,
+                                 micro_bytes="auto" if s.train_activation_mb is None else s.train_activation_mb * 2**20)
     return _engine
 
 

@@ -332,6 +332,14 @@ class Stack:
     def command(self, name: str) -> list[str]:
         return shlex.split(self.lines[name])
 
+    def copies(self, name: str, n: int) -> list[str]:
+        """Lines name2..nameN: copies of a worker line under their own Celery node names (more workers
+        of one station); returns their names, to `start`."""
+        extra = [f"{name}{i}" for i in range(2, n + 1)]
+        for line in extra:
+            self.lines[line] = self.lines[name].replace(f"-n {name}@", f"-n {line}@")
+        return extra
+
 
 def ensure_up(quiet: bool = False) -> str:
     """The deployment's Redis URL: an external one as configured (nothing started here), else the

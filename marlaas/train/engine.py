@@ -9,6 +9,8 @@ Public API, shaped like Tinker's primitives; the job RL step (`marlaas.train.ste
   caller's `loss(Forward) -> (loss, stats)`, and a backward that ACCUMULATES into the adapter's
   gradients; `forward_backward_many(parts)` does the same for several keys in one routed pass
   (`marlaas.train.routing`: rows never mix, so each adapter gets exactly its own gradient).
+  A pass whose loss is additive over rows (`Part.additive`) runs in micro-batches within
+  `micro_bytes` of activations (default on the CPU: half the weights' bytes; `marlaas.train.micro`).
 - `optim_step(key, AdamParams)`: optional global-norm clip, one AdamW step with the given
   hyperparameters (skipped when the clipped norm is NaN/inf), gradients cleared.
 - `state(key) -> TrainState`, `adapter_blob`, `optimizer_bytes`, `evict`, `cached`, `set_version`,
@@ -31,18 +33,21 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import io
 import math
 import re
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from marlaas.adapters import blob_from_peft, lora_config_from_dict
 from marlaas.errors import TrainStateError
+from marlaas.train import micro
+from marlaas.train.batch import build_batch, gather
 from marlaas.train.records import AdamParams, Forward, LossFn, Part, Result, TrainSample, TrainState
 from marlaas.train.routing import routed
 from marlaas.types import AdapterBlob
@@ -66,18 +71,21 @@ def _safe_name(key: str, serial: int) -> str:
     return f"j{serial}_{re.sub(r'[^A-Za-z0-9_]', '_', key)[:40]}"
 
 
-def _gather(logits_B_L_V: torch.Tensor, targets_B_T: torch.Tensor, temperature: float) -> torch.Tensor:
-    # The last T logit positions predict the T target columns.
-    T = targets_B_T.shape[1]
-    lg = logits_B_L_V[:, logits_B_L_V.shape[1] - T:, :].float() / temperature
-    return torch.log_softmax(lg, dim=-1).gather(-1, targets_B_T.unsqueeze(-1)).squeeze(-1)
+def _release_heap(device: torch.device) -> None:
+    """Hand the pass's freed activations back to the OS: glibc keeps freed heap pages resident, so a
+    trainer would otherwise hold its largest step's activations between steps."""
+    if device.type == "cpu":
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
 
 
 class TrainingEngine:
     """Trains per-key LoRA adapters on one resident base model (see the module docstring)."""
 
     def __init__(self, base_path: str | Path, *, threads: int = 1, cache_size: int = 32, device: str = "cpu",
-                 dtype: str = "auto", checkpointing: bool = False):
+                 dtype: str = "auto", checkpointing: bool = False, micro_bytes: float | None | str = "auto"):
         from transformers import AutoModelForCausalLM
 
         from marlaas.base.tiny import load_tokenizer
@@ -95,6 +103,12 @@ class TrainingEngine:
         self.base.requires_grad_(False)
         if checkpointing:  # keep each layer's input only; recompute its activations during backward
             self.base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        dtype_bytes = next(self.base.parameters()).element_size()
+        self._row_bytes = micro.row_bytes(self.base.config, dtype_bytes)
+        if micro_bytes == "auto":  # the CPU's passes within half the weights' bytes; a GPU's in one
+            weights = sum(p.numel() for p in self.base.parameters()) * dtype_bytes
+            micro_bytes = max(64 * 2**20, weights / 2) if self.device.type == "cpu" else None
+        self.micro_bytes = micro_bytes or None
         self.model = None  # the PeftModel, created with the first adapter
         self._jobs: OrderedDict[str, _Entry] = OrderedDict()
         self._pinned: set[str] = set()
@@ -270,35 +284,7 @@ class TrainingEngine:
         return ids
 
     def _batch(self, samples: list[TrainSample]):
-        """Left-padded input ids, attention mask, positions; right-aligned targets, mask, behaviour
-        log-probs; T."""
-        seqs, lens = [], []
-        for i, s in enumerate(samples):
-            n = len(s.completion_ids)
-            for what, vals in (("logprobs", s.behav_logprobs), ("mask values", s.loss_mask), ("targets", s.targets)):
-                if vals is not None and len(vals) != n:
-                    raise ValueError(f"sample {i}: {n} completion tokens but {len(vals)} {what}")
-            seqs.append(self._ids(s) + list(s.completion_ids))
-            lens.append(n)
-        B, L, T = len(seqs), max(map(len, seqs)), max(lens)
-        input_ids = torch.full((B, L), self.tokenizer.pad_token_id or 0, dtype=torch.long)
-        attn = torch.zeros((B, L), dtype=torch.long)
-        mask_B_T, behav_B_T = torch.zeros((B, T)), torch.zeros((B, T))
-        for i, seq in enumerate(seqs):
-            input_ids[i, L - len(seq):] = torch.tensor(seq)
-            attn[i, L - len(seq):] = 1
-        targets_B_T = input_ids[:, L - T:].clone()
-        for i, (s, n) in enumerate(zip(samples, lens)):
-            if n:
-                m = s.loss_mask
-                mask_B_T[i, T - n:] = 1 if m is None else torch.tensor(m, dtype=torch.float32)
-                behav_B_T[i, T - n:] = torch.tensor(s.behav_logprobs, dtype=torch.float32)
-                if s.targets is not None:
-                    targets_B_T[i, T - n:] = torch.tensor(s.targets, dtype=torch.long)
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)
-        dev = self.device
-        return (input_ids.to(dev), attn.to(dev), positions.to(dev), targets_B_T.to(dev), mask_B_T.to(dev),
-                behav_B_T.to(dev), T)
+        return build_batch(samples, self._ids, self.tokenizer.pad_token_id or 0, self.device)
 
     def _logits(self, model, input_ids, attn, positions, T: int) -> torch.Tensor:
         # Completions are right-aligned, so the logits that predict them are the T before the last.
@@ -314,15 +300,15 @@ class TrainingEngine:
             return []
         input_ids, attn, positions, targets_B_T, _, _, T = self._batch(samples)
         if key is None and self.model is None:
-            lp = _gather(self._logits(self.base, input_ids, attn, positions, T), targets_B_T, temperature)
+            lp = gather(self._logits(self.base, input_ids, attn, positions, T), targets_B_T, temperature)
         elif key is None:
             with self.model.disable_adapter():
-                lp = _gather(self._logits(self.model, input_ids, attn, positions, T), targets_B_T, temperature)
+                lp = gather(self._logits(self.model, input_ids, attn, positions, T), targets_B_T, temperature)
         else:
             entry = self._entry(key)
             self.model.set_adapter(entry.name)
             self.model.eval()
-            lp = _gather(self._logits(self.model, input_ids, attn, positions, T), targets_B_T, temperature)
+            lp = gather(self._logits(self.model, input_ids, attn, positions, T), targets_B_T, temperature)
         return [lp[i, T - len(s.completion_ids):].tolist() if s.completion_ids else [] for i, s in enumerate(samples)]
 
     # ----------------------------------------------------------------- training primitives
@@ -338,15 +324,19 @@ class TrainingEngine:
         return None
 
     def forward_backward(self, key: str, samples: list[TrainSample], loss: LossFn, temperature: float = 1.0,
-                         *, ref: bool = False, prox: bool = False, backward: bool = True) -> Result:
+                         *, ref: bool = False, prox: bool = False, backward: bool = True,
+                         additive: bool = False) -> Result:
         """One forward over `key`'s samples in train mode, `loss(Forward)`, and (with `backward`) its
         gradient accumulated into the adapter's `.grad` (cleared only by `optim_step`)."""
-        return self.forward_backward_many([Part(key, samples, loss, temperature, ref, prox)], backward=backward)[0]
+        part = Part(key, samples, loss, temperature, ref, prox, additive)
+        return self.forward_backward_many([part], backward=backward)[0]
 
     def forward_backward_many(self, parts: list[Part], *, backward: bool = True) -> list[Result]:
         """`forward_backward` for several keys in ONE pass: the parts' batches stacked row-wise (left-
         padded to one length), each LoRA layer routed per block of rows, one backward on the sum of
-        the parts' losses (each adapter's gradient is its own part's: rows never mix)."""
+        the parts' losses (each adapter's gradient is its own part's: rows never mix). When every
+        part's loss is additive and the rows' activations exceed `micro_bytes`, the rows run in
+        consecutive micro-batches whose gradients accumulate (`marlaas.train.micro`)."""
         keys = [p.key for p in parts]
         if len(set(keys)) != len(keys):
             raise ValueError(f"a pass takes each key once (got {keys})")
@@ -354,7 +344,34 @@ class TrainingEngine:
             raise ValueError("every part of a pass needs at least one sample")
         if len(parts) > 1 and (why := self.routable()) is not None:
             raise ValueError(f"cannot route several adapters in one pass: {why}")
-        entries = [self._entry(k) for k in keys]
+        for k in keys:
+            self._entry(k)
+        try:
+            ranges = self._micro_ranges(parts)
+            if len(ranges) <= 1:
+                return self._pass(parts, backward, None)
+            pieces: list[list[Result]] = [[] for _ in parts]
+            for chunk in micro.split_parts(parts, ranges):
+                sub = [replace(parts[i], samples=parts[i].samples[r.start:r.stop]) for i, r in chunk]
+                for (i, _), res in zip(chunk, self._pass(sub, backward, [r for _, r in chunk])):
+                    pieces[i].append(res)
+            return [micro.merge_results(pc, p.samples) for pc, p in zip(pieces, parts)]
+        finally:
+            _release_heap(self.device)
+
+    def _micro_ranges(self, parts: list[Part]) -> list[range]:
+        """The pass's micro-batches over its rows (concatenated in part order); one unless every part's
+        loss is additive and the rows exceed `micro_bytes`."""
+        n = sum(len(p.samples) for p in parts)
+        if self.micro_bytes is None or not all(p.additive for p in parts):
+            return [range(n)]
+        shapes = [(len(self._ids(s)) + len(s.completion_ids), len(s.completion_ids)) for p in parts for s in p.samples]
+        return micro.plan(shapes, *self._row_bytes, self.micro_bytes)
+
+    def _pass(self, parts: list[Part], backward: bool, ranges: list[range] | None) -> list[Result]:
+        """One forward (and backward) over the parts' rows together; `ranges`: where each part's rows
+        stand in the caller's part (a micro-batch)."""
+        entries = [self._entry(p.key) for p in parts]
         batches = [self._batch(p.samples) for p in parts]
         model, solo = self.model, len(parts) == 1
         if solo:
@@ -372,7 +389,7 @@ class TrainingEngine:
         def per_part(logits) -> list[torch.Tensor]:
             out, start = [], 0
             for p, b, n in zip(parts, batches, sizes):
-                out.append(_gather(logits[start:start + n], b[3], p.temperature))
+                out.append(gather(logits[start:start + n], b[3], p.temperature))
                 start += n
             return out
 
@@ -400,8 +417,8 @@ class TrainingEngine:
         self._trainable(entries)
         with torch.set_grad_enabled(backward):
             logps = per_part(forward())
-            fwds = [Forward(p.samples, lp, b[4], b[5], r, x)
-                    for p, lp, b, r, x in zip(parts, logps, batches, refs, proxes)]
+            fwds = [Forward(p.samples, lp, b[4], b[5], r, x, None if ranges is None else list(ranges[i]))
+                    for i, (p, lp, b, r, x) in enumerate(zip(parts, logps, batches, refs, proxes))]
             losses = [p.loss(f) for p, f in zip(parts, fwds)]
             if backward:
                 torch.stack([v for v, _ in losses]).sum().backward()

@@ -71,6 +71,12 @@ class Forward:
     behav_B_T: torch.Tensor
     ref_B_T: torch.Tensor | None = None
     prox_B_T: torch.Tensor | None = None
+    index: list[int] | None = None
+    """Where these rows stand in the part's samples when they are one micro-batch of it (None: all)."""
+
+    def indices(self) -> list[int]:
+        """The rows' positions in the part's samples."""
+        return list(range(len(self.samples))) if self.index is None else self.index
 
     def rows(self) -> list[torch.Tensor]:
         """Each sample's log-probs over its own completion positions."""
@@ -91,6 +97,10 @@ class Part:
     temperature: float = 1.0
     ref: bool = False  # also compute the reference log-probs (every adapter disabled)
     prox: bool = False  # also compute no-grad eval-mode log-probs (pi_prox under LoRA dropout)
+    additive: bool = False
+    """The loss over all rows is the sum of its values over any consecutive split of them (each call's
+    Forward holds those rows, `Forward.index` says which; its stats are per-token means): the engine
+    may then run the rows in micro-batches (`marlaas.train.micro`)."""
 
 
 @dataclass

@@ -86,16 +86,22 @@ AGGREGATIONS = ("token", "sequence", "constant")
 
 
 def aggregate(
-    values_B_T: torch.Tensor, mask_B_T: torch.Tensor, aggregation: str, constant_norm: float | None = None
+    values_B_T: torch.Tensor, mask_B_T: torch.Tensor, aggregation: str, constant_norm: float | None = None,
+    total: float | None = None,
 ) -> torch.Tensor:
-    """Reduce per-token losses to one scalar: 'token', 'sequence' or 'constant' (module docstring)."""
+    """Reduce per-token losses to one scalar: 'token', 'sequence' or 'constant' (module docstring).
+
+    `total` replaces the normaliser read off this batch ('token': its tokens, 'sequence': its
+    sequences with tokens) by one counted over a larger batch that these rows are a part of: the
+    losses of the parts then sum to the whole batch's loss."""
     if aggregation == "token":
-        return (values_B_T * mask_B_T).sum() / mask_B_T.sum().clamp(min=1.0)
+        n = mask_B_T.sum().clamp(min=1.0) if total is None else max(float(total), 1.0)
+        return (values_B_T * mask_B_T).sum() / n
     if aggregation == "sequence":
         lengths_B = mask_B_T.sum(dim=1)
         per_seq_B = (values_B_T * mask_B_T).sum(dim=1) / lengths_B.clamp(min=1.0)
         has_tokens_B = lengths_B > 0
-        n = has_tokens_B.sum().clamp(min=1)
+        n = has_tokens_B.sum().clamp(min=1) if total is None else max(float(total), 1.0)
         return (per_seq_B * has_tokens_B).sum() / n
     if aggregation == "constant":
         if constant_norm is None or not constant_norm > 0:
@@ -120,6 +126,7 @@ def policy_loss(
     level: Literal["token", "sequence"] = "token",
     constant_norm: float | None = None,
     weights: losses.WeightFn | None = None,
+    total: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO-clip loss with importance weights (cap `tis_cap`) and an optional k3 KL term.
 
@@ -129,7 +136,8 @@ def policy_loss(
     `tis_mean` mean importance weight, `tis_trunc_frac` share of weights cut at the cap (truncate)
     or zeroed (mask), `kl` mean k3 (0 without a reference), `ratio_mean` mean pi_theta / pi_prox.
     `weights`: the importance-weight function already bound (`losses.weight_fn`, as `make_loss` does);
-    without it, `importance`, `level` and `tis_cap` choose one here.
+    without it, `importance`, `level` and `tis_cap` choose one here. `total`: the normaliser of the
+    whole batch these rows belong to (`aggregate`).
     """
     if kl_coef > 0 and ref_logprobs_B_T is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs_B_T")
@@ -158,7 +166,7 @@ def policy_loss(
         if kl_coef > 0:
             per_token = per_token + kl_coef * k3
 
-    loss = aggregate(per_token, m, aggregation, constant_norm)
+    loss = aggregate(per_token, m, aggregation, constant_norm, total)
 
     with torch.no_grad():
         n = m.sum().clamp(min=1.0)
@@ -182,19 +190,19 @@ def make_loss(cfg) -> LossFn:
     interpolates it, A-3PO), the importance weights from the importance type (truncate / mask / none,
     per token or sequence, with its cap). The returned function takes
     (logprobs_B_T, behav_logprobs_B_T, advantages_B, mask_B_T, *, recomputed_prox_B_T, ref_logprobs_B_T,
-    constant_norm) and applies `policy_loss` with the clip, aggregation and KL of the config."""
+    constant_norm, total) and applies `policy_loss` with the clip, aggregation and KL of the config."""
     loss_cfg, imp = cfg.loss, cfg.importance
     prox = losses.prox_fn("ppo") if loss_cfg.kind == "ppo" else losses.prox_fn(
         loss_cfg.prox, loss_cfg.alpha if loss_cfg.prox == "a3po" else 0.5)
     weights = losses.weight_fn(imp.kind, getattr(imp, "level", "token"), getattr(imp, "cap", 1.0))
 
     def loss(logprobs_B_T, behav_logprobs_B_T, advantages_B, mask_B_T, *, recomputed_prox_B_T=None,
-             ref_logprobs_B_T=None, constant_norm=None):
+             ref_logprobs_B_T=None, constant_norm=None, total=None):
         prox_B_T = prox(logprobs_B_T, behav_logprobs_B_T, recomputed_prox_B_T)
         return policy_loss(
             logprobs_B_T, prox_B_T, behav_logprobs_B_T, advantages_B, mask_B_T, cfg.clip_eps,
             aggregation=cfg.aggregation, kl_coef=cfg.kl_coef, ref_logprobs_B_T=ref_logprobs_B_T,
-            constant_norm=constant_norm, weights=weights,
+            constant_norm=constant_norm, weights=weights, total=total,
         )  # fmt: skip
 
     return loss
@@ -210,11 +218,12 @@ def spec_loss(
     recomputed_prox_B_T: torch.Tensor | None = None,
     ref_logprobs_B_T: torch.Tensor | None = None,
     constant_norm: float | None = None,
+    total: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """`make_loss(cfg)` applied once (callers that take many steps keep the `make_loss` function)."""
     return make_loss(cfg)(logprobs_B_T, behav_logprobs_B_T, advantages_B, mask_B_T,
                           recomputed_prox_B_T=recomputed_prox_B_T, ref_logprobs_B_T=ref_logprobs_B_T,
-                          constant_norm=constant_norm)
+                          constant_norm=constant_norm, total=total)
 
 
 def needs_prox_pass(spec) -> bool:
@@ -234,25 +243,27 @@ def job_loss(
     behav_B_T: torch.Tensor,
     ref_B_T: torch.Tensor | None = None,
     prox_B_T: torch.Tensor | None = None,
+    rows: list | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """One job's step loss over its `kept` rows (the batch's tensors), as its `rl` spec selects.
+    """One job's step loss over `rows` (default: all of `kept`; the batch's tensors), as its `rl` spec
+    selects.
 
     `samples` are the step's rows (objects with `advantage`, `completion_ids`, `n_actions`), `kept` the
-    ones run through the model. Normalisers: 'token' and 'sequence' count the kept rows, rescaled to
-    the whole batch when `drop_zero_advantage` is off; 'constant' divides by K = max_new_tokens x
+    ones run through the model, `rows` the kept rows these tensors hold. Normalisers, counted over
+    whole lists so that the losses of any split of `kept` into `rows` sum to the loss over all of it
+    (the trainer's micro-batches): 'token' divides by the tokens (`n_actions`) and 'sequence' by the
+    sequences with >= 1 token of `kept`, or of `samples` when `drop_zero_advantage` is off (skipped
+    rows still count: the loss equals the full batch's); 'constant' divides by K = max_new_tokens x
     len(samples) (Dr. GRPO's constant: independent of lengths, every row handed to the trainer counts).
     `prox_B_T` is a recomputed pi_prox (see `needs_prox_pass`); None reads it off `logp_B_T`.
     """
     cfg = spec.rl
-    adv_B = torch.tensor([s.advantage for s in kept], dtype=torch.float32, device=logp_B_T.device)
-    loss, stats = spec_loss(
+    rows = kept if rows is None else rows
+    counted = kept if cfg.drop_zero_advantage else samples
+    total = (sum(s.n_actions for s in counted) if cfg.aggregation == "token"
+             else sum(1 for s in counted if s.n_actions > 0))
+    adv_B = torch.tensor([s.advantage for s in rows], dtype=torch.float32, device=logp_B_T.device)
+    return spec_loss(
         cfg, logp_B_T, behav_B_T, adv_B, mask_B_T, recomputed_prox_B_T=prox_B_T, ref_logprobs_B_T=ref_B_T,
-        constant_norm=float(spec.max_new_tokens * max(len(samples), 1)),
+        constant_norm=float(spec.max_new_tokens * max(len(samples), 1)), total=total,
     )  # fmt: skip
-    if not cfg.drop_zero_advantage and len(kept) < len(samples):
-        # Skipped rows still count in the normaliser: rescale to the full batch's loss.
-        if cfg.aggregation == "token":
-            loss = loss * mask_B_T.sum() / max(1, sum(s.n_actions for s in samples))
-        elif cfg.aggregation == "sequence":
-            loss = loss * sum(1 for s in kept if s.completion_ids) / sum(1 for s in samples if s.completion_ids)
-    return loss, stats

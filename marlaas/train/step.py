@@ -102,10 +102,10 @@ class _Step:
     def part(self) -> Part:
         def loss(f: Forward):
             return rl.job_loss(self.spec, self.samples, self.kept, f.logp_B_T, f.mask_B_T, f.behav_B_T,
-                               f.ref_B_T, f.prox_B_T)
+                               f.ref_B_T, f.prox_B_T, rows=f.samples)
 
         return Part(self.job_id, self.kept, loss, self.spec.temperature, ref=self.spec.rl.kl_coef > 0,
-                    prox=rl.needs_prox_pass(self.spec))
+                    prox=rl.needs_prox_pass(self.spec), additive=True)
 
 
 def _prepare(engine: TrainingEngine, job_id: str, version: int, spec: JobSpec, samples: list[TrainSample],

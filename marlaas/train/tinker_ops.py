@@ -149,14 +149,15 @@ class TinkerTrainer:
 
         def loss(f: Forward):
             total = None
-            for lp, named in zip(f.rows(), inputs):
+            for lp, j in zip(f.rows(), f.indices()):  # one micro-batch of the datums at a time, in order
+                named = inputs[j]
                 tensors = {k: torch.tensor(v, dtype=torch.float32, device=dev) for k, v in named.items()}
                 value, elem = fn(lp, tensors, config)
                 per_datum.append((float(value.detach()), elem.detach()))
                 total = value if total is None else total + value
             return total, {}
 
-        res = self.engine.forward_backward(mid, samples, loss, backward=backward)
+        res = self.engine.forward_backward(mid, samples, loss, backward=backward, additive=True)
         outputs = []
         for lp, (_, elem) in zip(res.forward.rows(), per_datum):
             out = {"logprobs": ["float32", lp.cpu().tolist()]}

@@ -177,3 +177,26 @@ def test_job_loss_counts_skipped_rows_in_the_normaliser_unless_dropped():
     assert seq.item() == pytest.approx((-1.0 + 1.0) / 3)  # per-sequence means (-1, +1) over 3 sequences
     const, _ = job_loss(_job(aggregation="constant"), samples, kept, logp, mask, behav)
     assert const.item() == pytest.approx(kept_sum / (4 * 3))  # K = max_new_tokens x len(samples)
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence", "constant"])
+@pytest.mark.parametrize("drop", [True, False])
+def test_job_loss_of_a_split_sums_to_the_whole(aggregation, drop):
+    """The trainer's micro-batches: the losses (and gradients) of the kept rows split in two, each with
+    its own rows' tensors, add up to the loss over all kept rows. Off-policy rows (weights != 1)."""
+    from marlaas.train.rl import job_loss
+
+    kept = [_Row(2, 1.0), _Row(1, -1.0), _Row(2, 0.5)]
+    samples = [*kept, _Row(3, 0.0)]
+    logp = torch.tensor([[-1.0, -2.0], [0.0, -1.5], [-0.5, -0.25]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0], [0.0, 1.0], [1.0, 1.0]])
+    behav = logp.detach() - torch.tensor([[0.2, -0.1], [0.0, 0.3], [-0.4, 0.1]])
+    job = _job(drop_zero_advantage=drop, aggregation=aggregation)
+    whole, _ = job_loss(job, samples, kept, logp, mask, behav)
+    (g_whole,) = torch.autograd.grad(whole, logp)
+    a, _ = job_loss(job, samples, kept, logp[:2], mask[:2], behav[:2], rows=kept[:2])
+    b, _ = job_loss(job, samples, kept, logp[2:], mask[2:], behav[2:], rows=kept[2:])
+    (g_split,) = torch.autograd.grad(a + b, logp)
+    assert (a + b).item() == pytest.approx(whole.item(), abs=1e-6)
+    assert whole.item() != pytest.approx(a.item())  # both halves carry signal
+    assert torch.allclose(g_split, g_whole, atol=1e-7)
