@@ -576,10 +576,8 @@ def main() -> None:
     out = None
     if set(modes) & {"sync", "async"}:
         try:
-            for i in range(2, a.generate_workers + 1):  # more generate workers: the same line, another node name
-                stack.lines[f"generate{i}"] = stack.lines["generate"].replace("-n generate@", f"-n generate{i}@")
             stack.start(*[n for n in STACK_LINES if n in stack.lines and n != "train"],
-                        *[f"generate{i}" for i in range(2, a.generate_workers + 1)])
+                        *stack.copies("generate", a.generate_workers))
             wait_for_workers(Store(stack.url), stations=("generate", "verify", "control"), timeout=300)
             client = Client(stack.url)
             print(f"stack up after {time.time() - t_start:.0f} s", flush=True)

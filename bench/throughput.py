@@ -4,8 +4,13 @@
         --trl --out results/throughput.json
 
 Both runs go through the same code and the same warm worker processes (one private stack started from
-the Procfile lines): *sequential* submits job i+1 when job i is done, each with max_staleness 0 (no
-stage overlap inside a job either); *marlaas* submits every job at once with max_staleness S.
+the Procfile lines, with `--generate-workers` generate workers): *sequential* submits job i+1 when job
+i is done, each with max_staleness 0 (no stage overlap inside a job either), and gives that lone job
+the whole machine: its steps' groups spread over every idle generate worker and the trainer runs with
+`--sync-train-threads` torch threads (default: the cores, what a single-process user would set);
+*marlaas* submits every job at once with max_staleness S, one torch thread per process (the stations
+share the cores). Every sequential row runs first, then every marlaas row (one trainer restart each
+way, warmed by a short job); `lines` in the JSON says what each line had.
 Workloads: *compute* (built-in single-turn tasks, cycling through `TASKS`) and *agentic* (the
 multi-turn `calc` tool task; its calculator is the stack's `tool` process, a real local HTTP service
 with the per-call latency `--tool-latency-ms` standing for a remote tool, the same in both runs).
@@ -70,6 +75,14 @@ def measure(store: Store, t0: float, t1: float) -> dict:
                                 "median_s": round(sorted(gaps)[len(gaps) // 2], 4) if gaps else 0.0},
             "events": [{k: e[k] for k in ("station", "start", "end")} | {"jobs": e.get("jobs", [])}
                        for e in ev]}
+
+
+def trainer(stack: Stack, client: Client, threads: int, workloads: list[str]) -> None:
+    """(Re)start the trainer with `threads` torch threads and warm every workload's code paths with a
+    short job, so no timed run holds a model load."""
+    stack.restart("train", env={"MARLAAS_THREADS": str(threads)})
+    for wl in workloads:
+        client.submit(specs(1, 2, 0, f"warmup{threads}-{wl}-", wl)[0]).wait(timeout=600)
 
 
 def run_sequential(client: Client, n: int, steps: int, workload: str) -> dict:
@@ -197,6 +210,9 @@ def main() -> None:
     ap.add_argument("--workloads", default="compute")
     ap.add_argument("--tool-latency-ms", type=int, default=200)
     ap.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer job after job (bench extra)")
+    ap.add_argument("--generate-workers", type=int, default=2, help="generate workers of the stack (both lines)")
+    ap.add_argument("--sync-train-threads", type=int, default=os.cpu_count() or 1,
+                    help="the trainer's torch threads in the sequential line (the marlaas line: 1)")
     ap.add_argument("--base", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path("results/throughput.json"))
     ap.add_argument("--png-prefix", type=Path, default=Path("results/throughput"))
@@ -209,25 +225,32 @@ def main() -> None:
     stack = Stack(env=env, log_dir=home / "bench-logs")
     report = {
         "command": f"bench/throughput.py --tenants {a.tenants} --steps {a.steps} --staleness {a.staleness} "
-                   f"--workloads {a.workloads} --tool-latency-ms {a.tool_latency_ms}" + (" --trl" if a.trl else ""),
+                   f"--workloads {a.workloads} --tool-latency-ms {a.tool_latency_ms} --generate-workers "
+                   f"{a.generate_workers} --sync-train-threads {a.sync_train_threads}" + (" --trl" if a.trl else ""),
         "date": time.strftime("%Y-%m-%d"),
         "machine": {"cores": cores, "loadavg_before": [round(x, 2) for x in os.getloadavg()]},
         "workload": {"group_size": 8, "prompts_per_step": 8, "max_new_tokens": 8, "eval_size": 32, "eval_k": 0,
                      "steps": a.steps, "engine": get_settings().engine, "tool_latency_ms": a.tool_latency_ms,
                      "tasks": {w: list(WORKLOAD_TASKS[w]) for w in workloads}},
+        "lines": {"sequential": {"generate_workers": a.generate_workers, "train_threads": a.sync_train_threads,
+                                 "threads_other_processes": 1, "max_staleness": 0},
+                  "marlaas": {"generate_workers": a.generate_workers, "train_threads": 1,
+                              "threads_other_processes": 1, "max_staleness": a.staleness}},
         "workloads": {},
     }
     try:
-        stack.start(*[n for n in ("redis", "tool", "control", "generate", "verify", "train", "beat")
-                      if n in stack.lines])
-        wait_for_workers(Store(stack.url), timeout=300)
+        stack.start(*[n for n in ("redis", "tool", "control", "generate", "verify", "beat") if n in stack.lines],
+                    *stack.copies("generate", a.generate_workers))
+        wait_for_workers(Store(stack.url), stations=("generate", "verify", "control"), timeout=300)
         client = Client(stack.url)
-        for wl in workloads:  # engines warm (and the workload's code paths) before timing
-            client.submit(specs(1, 2, 0, f"warmup-{wl}-", wl)[0]).wait(timeout=600)
+        ns = [int(x) for x in a.tenants.split(",")]
+        trainer(stack, client, a.sync_train_threads, workloads)  # engines warm before timing
+        seqs = {(wl, n): run_sequential(client, n, a.steps, wl) for wl in workloads for n in ns}
+        trainer(stack, client, 1, workloads)
         for wl in workloads:
             rows = report["workloads"][wl] = []
-            for n in [int(x) for x in a.tenants.split(",")]:
-                seq = run_sequential(client, n, a.steps, wl)
+            for n in ns:
+                seq = seqs[wl, n]
                 asy = run_marlaas(client, n, a.steps, a.staleness, wl)
                 rows.append(row_for(n, a.steps, seq, asy, cores))
                 save(report, a.out)  # after every row, so an interrupted run keeps what it measured

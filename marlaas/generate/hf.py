@@ -10,9 +10,10 @@ Requests are grouped by (temperature, max_new_tokens, greedy, top_k, top_p); eac
 tokenized, repeated `n` times, left-padded), split into several calls of whole requests where it
 would pass `max_rows_per_call` rows or the call's token budget (`marlaas.generate.calls`): a
 call's working memory (its KV cache, the prefill's activations) grows with rows x (padded prompt +
-new tokens), so on the CPU one call holds at most `call_tokens` of them, by default what half the weights' bytes buy
-(`calls.call_token_budget`: a generate worker's peak stays near weights + libraries + half the weights,
-where a 200-prompt evaluation in one call took it to 3.5x the weights of SmolLM2-135M).
+new tokens), so on the CPU one call holds at most `call_tokens` of them, by default what a third of
+the weights' bytes buy (`calls.call_token_budget`: a generate worker's peak stays near weights +
+libraries + a third of the weights, where a 200-prompt evaluation in one call took it to 3.5x the
+weights of SmolLM2-135M; half the weights' bytes took it to 2.39-2.58x, a third to 2.40x).
 Stops are per row (`_RowStops`, a transformers StoppingCriteria over each request's `StopMatcher`):
 a row ends at its own stop token ids and stop strings (multi-token strings on the decoded tail);
 only EOS marks a completion `finished`:
@@ -159,10 +160,10 @@ class HFEngine(GenerationEngine):
         self.model.to(self.device)
         self.model.eval()
         self.eos_ids = eos_token_ids(self.tokenizer, self.model.generation_config)
-        if call_tokens == "auto":  # the CPU's calls within half the weights' bytes; a GPU's by rows only
+        if call_tokens == "auto":  # the CPU's calls within a third of the weights' bytes; a GPU's by rows only
             weight_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
             dtype_bytes = next(self.model.parameters()).element_size()
-            call_tokens = (call_token_budget(self.model.config, dtype_bytes, max(64 * 2**20, weight_bytes / 2))
+            call_tokens = (call_token_budget(self.model.config, dtype_bytes, max(64 * 2**20, weight_bytes / 3))
                            if self.device.type == "cpu" else None)
         self.call_tokens = call_tokens
         self.peft = None  # PeftModel, created with the first adapter

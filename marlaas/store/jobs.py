@@ -12,6 +12,7 @@ import redis
 
 from marlaas.errors import NotFound
 from marlaas.spec import JobSpec
+from marlaas.store import slots
 from marlaas.store.keys import (
     ACTIVE,
     ALL,
@@ -139,6 +140,8 @@ class JobOps:
             p.expire(job_end_key(jid), 3600)
         self.sync_rows([jid], pipe=p)  # the scheduling table (tick.py)
         p.execute()
+        if status in TERMINAL_STATUSES and tenant is not None and not self.r.scard(tenant_active_key(tenant.decode())):
+            slots.forget(self.r, tenant.decode())
 
     def transition_status(self, jid: str, allowed: tuple[str, ...], status: str) -> str | None:
         """Set a non-terminal `status` iff the job's current one is in `allowed` (compare-and-set,

@@ -9,7 +9,9 @@ station's name:
   until `until` at the latest (a process killed mid-task leaves an entry that ends by itself; a
   process runs one task at a time, so its next take replaces it);
 - `m:pool:<station>:want` zset tenant -> when it last asked (taken or refused): the tenants with work
-  waiting are those that asked within `want_s`;
+  waiting are those that asked within `want_s` (a reservation: a tenant whose tasks come one at a
+  time keeps its share between them), until the tenant's last running job ends (`forget`: a
+  tenant with nothing left to verify reserves nothing, so the next tenant, alone, gets the pool);
 - `m:pool:<station>:procs` zset process -> when it last asked: the pool's size is the processes
   seen within `seen_s` (a pool under contention is busy, so all of its processes are seen).
 """
@@ -36,6 +38,12 @@ class PoolState:
     running: dict[str, int] = field(default_factory=dict)
     waiting: frozenset[str] = frozenset()
     capacity: int = 1
+
+
+def forget(r, tenant: str, stations: tuple[str, ...] = ("verify",)) -> None:
+    """The tenant has no job left: its want marks go (it waits for no process any more)."""
+    for station in stations:
+        r.zrem(_key(station, "want"), tenant)
 
 
 class PoolSlots:

@@ -5,6 +5,7 @@ waits; alone it may use the whole pool; racing takes never exceed a share."""
 from __future__ import annotations
 
 import threading
+import time
 from functools import partial
 
 import pytest
@@ -42,6 +43,34 @@ def test_a_slow_tenant_is_held_to_half_while_a_victim_waits(st):
     later = now + pool.want_s + 1
     assert pool.take("attacker", "p3", partial(decide, "attacker"), now=later)
     assert pool.take("attacker", "p0", partial(decide, "attacker"), now=later)
+
+
+def test_a_tenant_whose_last_job_ended_reserves_nothing(st):
+    """Job after job of different tenants (one user's runs, the benches' sequential line): the tenant
+    whose job just ended asked a moment ago, but with no job left it has nothing to verify, so the
+    next tenant alone gets the whole pool at once, not half of it (and not after want_s)."""
+    from marlaas.spec import JobSpec
+
+    rows = [{"prompt": "p", "answer": "1"}]
+    pool = PoolSlots(st, "verify")
+    for i in range(2):
+        pool.take("x", f"p{i}", lambda s: False, now=10.0)
+    first = st.create_job(JobSpec(dataset=rows, tenant="first", steps=1, prompts_per_step=1, group_size=2,
+                                  eval_size=1), rows, rows)
+    second = st.create_job(JobSpec(dataset=rows, tenant="first", steps=1, prompts_per_step=1, group_size=2,
+                                   eval_size=1), rows, rows)
+    now = time.time()
+    assert pool.take("first", "p0", partial(decide, "first"), now=now)
+    pool.release("p0")
+    assert pool.take("next", "p0", partial(decide, "next"), now=now)
+    assert not pool.take("next", "p1", partial(decide, "next"), now=now)  # "first" still has a job: half
+    pool.release("p0"), pool.release("p1")
+    st.set_status(first, "done")
+    assert "first" in pool.state(now).waiting  # its other job still runs: the reservation stays
+    st.set_status(second, "cancelled")
+    assert "first" not in pool.state(now).waiting
+    assert pool.take("next", "p0", partial(decide, "next"), now=now)
+    assert pool.take("next", "p1", partial(decide, "next"), now=now)
 
 
 def test_a_process_holds_one_slot_and_a_lost_hold_ends(st):
