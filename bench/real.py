@@ -125,7 +125,8 @@ def task_spec(task: str, i: int, a, staleness: int, tag: str) -> JobSpec:
                    max_staleness=staleness, seed=a.seed + i, learning_rate=a.lr, lr_schedule=a.lr_schedule,
                    warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio, max_new_tokens=a.max_new_tokens,
                    temperature=a.temperature, eval_size=a.eval_size, eval_every=0, eval_k=0,
-                   lora=LoraSpec(rank=a.lora_rank, alpha=2.0 * a.lora_rank), chat_template=True)
+                   lora=LoraSpec(rank=a.lora_rank, alpha=2.0 * a.lora_rank), chat_template=True,
+                   **({} if a.drop_zero_advantage is None else {"rl": {"drop_zero_advantage": a.drop_zero_advantage}}))
 
 
 def output_checks(job, spec: JobSpec) -> dict:
@@ -472,6 +473,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--staleness", type=int, default=2, help="max_staleness of the async mode (b)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--drop-zero-advantage", type=lambda v: {"true": True, "false": False}[v.lower()], default=None,
+                    help="marlaas jobs' rl.drop_zero_advantage (true|false; default: the spec's default)")
     ap.add_argument("--modes", default="sync,async,trl",
                     help="of sync (a), async (b), trl (c: TRL's GRPOTrainer, job after job, after the stack stops)")
     ap.add_argument("--generate-workers", type=int, default=2,
