@@ -157,8 +157,12 @@ class RLSpec(BaseModel):
     """PPO clip range on pi_theta / pi_prox."""
     kl_coef: float = Field(0.0, ge=0, le=100)
     """Coefficient of the KL penalty to the base model (adapter disabled); 0 = off."""
-    drop_zero_advantage: bool = True
-    """Skip groups whose rewards are all equal (they carry no signal)."""
+    drop_zero_advantage: bool = False
+    """Drop the rows of groups whose rewards are all equal from the loss's normaliser too. Such rows are
+    never run through the model (they carry no policy gradient); off, they still count in the
+    normaliser, so a step with few informative groups takes a smaller step (TRL's and DAPO's batch
+    normaliser). On, every step has the full size whatever its share of signal, so a step
+    from one informative group moves the adapter as far as one from many (noisier runs)."""
 
     @model_validator(mode="before")
     @classmethod
