@@ -6,6 +6,9 @@ regenerated, never trained on. A job whose first `no_signal_steps` steps have no
 group's rewards equal) is warned, and stopped if its spec says so (`no_signal_check`). The trainer
 lane is not this module's: the caller holds and releases it (`tasks.train.trainer_lane`); a skip
 returns its reason, and the publish script frees the lease it names as part of the atomic publish.
+A job leaves the trainer's cache (adapter and optimiser) once its last version is published or it
+has ended, so a long-lived trainer holds only live jobs' state; a job that comes back is loaded from
+the state published with its version, as after a restart.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 from marlaas import families
 from marlaas.control import scheduler
 from marlaas.store import Store
-from marlaas.types import AdapterRef, JobStatus
+from marlaas.types import TERMINAL_STATUSES, AdapterRef, JobStatus
 from marlaas.verify import preflight
 
 
@@ -72,6 +75,8 @@ def run_train(store: Store, engine, jid: str, t: int, token: str) -> dict:
 
     status, version = store.job_fields(jid, "status", "version")
     if status not in ("running",) or version is None or int(version) != t:
+        if status in TERMINAL_STATUSES:
+            engine.evict(jid)
         return {"skipped": "not at this version (already published or job stopped)"}
     spec = store.spec(jid)
     groups = scheduler.step_groups(t, spec.prompts_per_step)
@@ -87,6 +92,7 @@ def run_train(store: Store, engine, jid: str, t: int, token: str) -> dict:
         return {"skipped": "a preflight is never trained"}
     stop = no_signal_check(store, jid, spec, t, [r["rewards"]["rewards"] for r in rolls])
     if stop is not None:
+        engine.evict(jid)
         return {"skipped": stop}
     samples, rewards_all, staleness = train_batch(spec, t, rolls)
     state = None
@@ -109,6 +115,7 @@ def run_train(store: Store, engine, jid: str, t: int, token: str) -> dict:
     ok = store.publish(jid, t, out.adapter, out.optimizer, metrics, token, groups, spec.steps, spec.eval_every)
     if ok and t + 1 >= spec.steps:
         store.transition_status(jid, (JobStatus.RUNNING,), JobStatus.EVALUATING)  # not over a pause
+        engine.evict(jid)  # trained out: its adapter and Adam moments (~4x the LoRA's bytes) leave the cache
     if not ok:
         return {"skipped": "version moved during the step (published elsewhere): no-op"}
     return metrics

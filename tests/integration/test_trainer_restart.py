@@ -73,3 +73,22 @@ def test_restarted_trainer_resumes_adapter_and_optimizer_from_store(st, tiny_bas
     # and the step really moved the weights (the comparison is not vacuous)
     v1 = st_load(st.adapter(AdapterRef(jid, 1)).weights)
     assert any(not torch.equal(v1[k], resumed[k]) for k in v1)
+
+
+def test_a_trained_out_job_leaves_the_trainer_cache(st, tiny_base):
+    # Its last version published, a job's adapter and Adam moments leave the trainer's cache (a
+    # long-lived trainer keeps only live jobs); a job that ended early goes at its next train task.
+    spec = JobSpec(task="max", steps=2, prompts_per_step=2, group_size=4, temperature=2.0, seed=1,
+                   max_staleness=0, eval_size=2)
+    gen = make_engine("hf", tiny_base, st.adapter, threads=1)
+    trainer = TrainingEngine(tiny_base, threads=1)
+    done = st.create_job(spec, *job_rows(spec))
+    ended = st.create_job(spec, *job_rows(spec))
+    assert one_step(st, gen, trainer, done, 0, 2)["step"] == 1
+    assert one_step(st, gen, trainer, ended, 0, 2)["step"] == 1
+    assert trainer.cached() == {done: 1, ended: 1}
+    assert one_step(st, gen, trainer, done, 1, 2)["step"] == 2
+    assert done not in trainer.cached() and st.job(done).status == "evaluating"
+    st.set_status(ended, "cancelled")
+    assert "skipped" in run_train(st, trainer, ended, 1, "no-lease")
+    assert trainer.cached() == {}
