@@ -375,7 +375,8 @@ def summarise(tasks: list[str], sync: dict, asy: dict, a) -> dict:
 
 def peer_summary(tasks: list[str], sync: dict, asy: dict, trl: dict, state: dict) -> dict:
     """marlaas against TRL: wall-time ratios (TRL's wall over ours: above 1, we are faster), each
-    task's final accuracy gap (ours - TRL's, points) and how close (b) came to the machine's ceiling."""
+    task's final accuracy gap (ours - TRL's, points) and how close (b) came to the machine's ceiling.
+    Parity is judged both ways: |gap| <= 5 on every task, and gap >= -5 on every task."""
     tw = state["trl_wall_s"] or sum(r["wall_s"] for r in trl.values())
     out: dict = {"trl_wall_s": round(tw, 1)}
     if state["async_wall_s"]:
@@ -395,6 +396,9 @@ def peer_summary(tasks: list[str], sync: dict, asy: dict, trl: dict, state: dict
         "sync_over_trl_0_9": (out.get("sync_over_trl") or 0) >= 0.9,
         "async_within_5_points_every_task": bool(out.get("async_minus_trl_points"))
         and all(abs(g) <= 5 for g in out["async_minus_trl_points"].values()),
+        # the one-sided reading: (b) is never more than 5 points below TRL (above it by any margin)
+        "async_no_more_than_5_points_below_every_task": bool(out.get("async_minus_trl_points"))
+        and all(g >= -5 for g in out["async_minus_trl_points"].values()),
         "async_at_0_85_of_ceiling": (out.get("async_share_of_ceiling") or 0) >= 0.85,
     }
     return out

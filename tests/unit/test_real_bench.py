@@ -31,4 +31,8 @@ def test_peer_summary_ratios_gaps_and_goals():
     assert out["async_minus_trl_points"] == {"a": -2.0, "b": 6.0}
     assert out["sync_minus_trl_points"] == {"a": 2.0, "b": -4.0}
     assert out["goal"] == {"async_over_trl_1_3": True, "sync_over_trl_0_9": False,
-                           "async_within_5_points_every_task": False, "async_at_0_85_of_ceiling": True}
+                           "async_within_5_points_every_task": False,
+                           "async_no_more_than_5_points_below_every_task": True,
+                           "async_at_0_85_of_ceiling": True}
+    asy["b"]["final_acc"] = 0.18  # 6 points below TRL's 0.24
+    assert not peer_summary(["a", "b"], sync, asy, trl, state)["goal"]["async_no_more_than_5_points_below_every_task"]
