@@ -115,7 +115,7 @@ def run_train(store: Store, engine, jid: str, t: int, token: str) -> dict:
     ok = store.publish(jid, t, out.adapter, out.optimizer, metrics, token, groups, spec.steps, spec.eval_every)
     if ok and t + 1 >= spec.steps:
         store.transition_status(jid, (JobStatus.RUNNING,), JobStatus.EVALUATING)  # not over a pause
-        engine.evict(jid)  # trained out: its adapter and Adam moments (~4x the LoRA's bytes) leave the cache
+        engine.evict(jid)  # trained out: its adapter and Adam moments (3x the LoRA's bytes) leave the cache
     if not ok:
         return {"skipped": "version moved during the step (published elsewhere): no-op"}
     return metrics
