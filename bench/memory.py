@@ -11,7 +11,10 @@ bench/real.py does) and reads its resident set after each stage: the peak of tha
             eval_size) with `--max-new` tokens; one sampled step (4 prompts x 4 rows, seeded);
   train:    load the engine; two RL steps (LoRA rank 8, all-linear) on 16 rows of `--max-new` tokens,
             their rows in micro-batches within `--activation-mb` of activations (the trainer's
-            MARLAAS_TRAIN_ACTIVATION_MB; auto = half the weights' bytes on the CPU).
+            MARLAAS_TRAIN_ACTIVATION_MB; auto = half the weights' bytes on the CPU); with
+            `--train-rounds R`, then R steps of each of `--train-jobs` jobs in turn (a trainer serving
+            several live jobs, as in bench/real.py's (b)):
+    .venv/bin/python bench/memory.py --stations train --train-jobs 4 --train-rounds 6 --out results/memory_jobs.json
 Every figure is also given over the base's weight bytes (the float32 safetensors files): the
 target is a peak <= 2.5x the weights per generate and train process.
 """
@@ -119,11 +122,33 @@ def station_train(base: Path, a) -> list[dict]:
             samples.append(TrainSample(p, comp, [-2.0] * len(comp), advantage=1.0 if k % 2 else -1.0))
     st.run(f"first RL step (16 rows x {a.max_new} tokens)", lambda: step(eng, "j", 0, spec, samples, None))
     st.run("second RL step", lambda: step(eng, "j", 1, spec, samples, None))
+    if a.train_rounds:
+        st.run(f"{a.train_rounds} rounds of {a.train_jobs} jobs' steps (varied prompts and lengths)",
+               lambda: _rounds(eng, spec, a.train_jobs, a.train_rounds, a.max_new))
     shapes = [(len(eng.tokenizer(s.prompt)["input_ids"]) + len(s.completion_ids), len(s.completion_ids))
               for s in samples]
     passes = len(eng._micro_ranges([Part("j", samples, None, additive=True)]))
     return {"stages": st.rows, "activation_mb": None if eng.micro_bytes is None else round(eng.micro_bytes / 2**20, 1),
             "passes_per_step": passes, "row_tokens": sum(n for n, _ in shapes)}
+
+
+def _rounds(eng, spec, jobs: int, rounds: int, max_new: int) -> None:
+    """`rounds` steps of each of `jobs` jobs in turn, as a trainer serving them all does: every job's
+    adapter and Adam moments stay cached; each step's 16 rows draw 4 of 64 prompts and 3 to max_new
+    tokens (bench/real.py's rows vary the same way)."""
+    import random
+
+    from marlaas.train.records import TrainSample
+    from marlaas.train.step import step
+
+    rnd = random.Random(1)
+    prompts = _prompts(eng.tokenizer, 64, 3)
+    for r in range(rounds):
+        for j in range(jobs):
+            samples = [TrainSample(p, comp, [-2.0] * len(comp), advantage=1.0 if k % 2 else -1.0)
+                       for p in rnd.sample(prompts, 4) for k in range(4)
+                       for comp in [[rnd.randrange(100, 40000) for _ in range(rnd.randrange(3, max_new + 1))]]]
+            step(eng, f"r{j}", r, spec, samples, None)
 
 
 def main() -> None:
@@ -138,6 +163,9 @@ def main() -> None:
     ap.add_argument("--activation-mb", default="auto",
                     help="the trainer's activations per pass (micro-batches): auto (its default), none, or MiB")
     ap.add_argument("--stations", default="generate,train", help="which stations to measure")
+    ap.add_argument("--train-jobs", type=int, default=4, help="jobs the trainer's last stage serves in turn")
+    ap.add_argument("--train-rounds", type=int, default=0,
+                    help="steps of each of --train-jobs jobs in the trainer's last stage (0: no such stage)")
     ap.add_argument("--station", choices=("generate", "train"), help=argparse.SUPPRESS)  # the child's part
     ap.add_argument("--base", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -159,6 +187,7 @@ def main() -> None:
         r = subprocess.run([sys.executable, __file__, "--station", name, "--base", str(base), "--eval-rows",
                             str(a.eval_rows), "--max-new", str(a.max_new), "--rows-per-call", str(a.rows_per_call),
                             "--call-tokens", a.call_tokens, "--activation-mb", a.activation_mb,
+                            "--train-jobs", str(a.train_jobs), "--train-rounds", str(a.train_rounds),
                             *(["--checkpointing"] if a.checkpointing else [])], capture_output=True, text=True,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
         if r.returncode:
@@ -174,7 +203,9 @@ def main() -> None:
                           "peak_private_over_weights": round(max(x["peak_private_mb"] for x in rows) / weight_mb, 2)}
     cmd = (f"bench/memory.py --eval-rows {a.eval_rows} --max-new {a.max_new} --rows-per-call {a.rows_per_call}"
            f" --call-tokens {a.call_tokens} --activation-mb {a.activation_mb} --stations {a.stations}"
-           + (" --checkpointing" if a.checkpointing else "") + (f" --out {a.out}" if a.out else ""))
+           + (" --checkpointing" if a.checkpointing else "")
+           + (f" --train-jobs {a.train_jobs} --train-rounds {a.train_rounds}" if a.train_rounds else "")
+           + (f" --out {a.out}" if a.out else ""))
     res = {"command": cmd, "date": time.strftime("%Y-%m-%d"),
            "base": BASE_NAME, "weights_mb": round(weight_mb, 1), "eval_rows": a.eval_rows, "max_new_tokens": a.max_new,
            "rows_per_call": a.rows_per_call, "checkpointing": a.checkpointing, "activation_mb": a.activation_mb,
