@@ -87,13 +87,16 @@ def test_an_evaluation_racing_a_promote_never_leaves_best_half_moved(st):
             i += 1
 
     def read():
-        while not stop.is_set():
+        while True:
+            last = stop.is_set()  # one more read after the last evaluation, so a reader always sees some
             b = st.best(jid)
             if b["exact"]:
                 want = max(b["exact"], key=lambda v: (b["exact"][v], v))
                 seen.append(b["auto"] == want)
                 if b["pinned"] is not None and b["pinned"] not in b["exact"]:
                     errors.append(f"pinned {b['pinned']} was never evaluated")
+            if last:
+                break
 
     threads = [threading.Thread(target=f) for f in (evaluate, promote, read)]
     for t in threads:
