@@ -66,7 +66,7 @@ def test_flower_shows_station_tasks(worker_stack, home):
     pytest.importorskip("selenium")
     if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
         pytest.skip("needs Debian's chromium and chromium-driver (see .ci/run)")
-    from selenium.common.exceptions import TimeoutException
+    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
@@ -132,10 +132,18 @@ def test_flower_shows_station_tasks(worker_stack, home):
         assert shot.stat().st_size > 10_000
 
         # The list truncates long arguments; a task's own page shows them whole.
-        train_rows = [tr for tr in driver.find_elements(By.CSS_SELECTOR, "#tasks-table tbody tr")
-                      if f"station=train job={job.id} tenant={tenant} version=0" in tr.text]
-        assert train_rows, "no row for the first train task"
-        uuid = train_rows[0].get_attribute("id")
+        # The table re-renders as tasks arrive: find the row and read its id in one go, retried.
+        def first_train_row(d):
+            try:
+                return next((tr.get_attribute("id") for tr in d.find_elements(By.CSS_SELECTOR, "#tasks-table tbody tr")
+                             if f"station=train job={job.id} tenant={tenant} version=0" in tr.text), False)
+            except StaleElementReferenceException:
+                return False
+
+        try:
+            uuid = wait.until(first_train_row)
+        except TimeoutException:
+            pytest.fail("no row for the first train task")
         driver.get(f"{login}/task/{uuid}")
         wait.until(lambda d: f"station=train job={job.id} tenant={tenant} version=0" in d.find_element(
             By.TAG_NAME, "body").text)
