@@ -104,7 +104,7 @@ def station_train(base: Path, a) -> list[dict]:
 
     from marlaas.spec import JobSpec, LoraSpec, RLSpec
     from marlaas.train.engine import TrainingEngine
-    from marlaas.train.records import Part, TrainSample
+    from marlaas.train.records import Part
     from marlaas.train.step import step
 
     st = Stages()
@@ -114,12 +114,7 @@ def station_train(base: Path, a) -> list[dict]:
                                                 micro_bytes=micro))
     spec = JobSpec.model_construct(task="rg:chain_sum", lora=LoraSpec(rank=8, alpha=16.0), rl=RLSpec(),
                                    learning_rate=1e-3, temperature=1.0, seed=0)
-    rnd = random.Random(0)
-    samples = []
-    for p in _prompts(eng.tokenizer, 4, 2):
-        for k in range(4):
-            comp = [rnd.randrange(100, 40000) for _ in range(a.max_new)]
-            samples.append(TrainSample(p, comp, [-2.0] * len(comp), advantage=1.0 if k % 2 else -1.0))
+    samples = _samples(random.Random(0), _prompts(eng.tokenizer, 4, 2), lambda: a.max_new)
     st.run(f"first RL step (16 rows x {a.max_new} tokens)", lambda: step(eng, "j", 0, spec, samples, None))
     st.run("second RL step", lambda: step(eng, "j", 1, spec, samples, None))
     if a.train_rounds:
@@ -138,17 +133,26 @@ def _rounds(eng, spec, jobs: int, rounds: int, max_new: int) -> None:
     tokens (bench/real.py's rows vary the same way)."""
     import random
 
-    from marlaas.train.records import TrainSample
     from marlaas.train.step import step
 
     rnd = random.Random(1)
     prompts = _prompts(eng.tokenizer, 64, 3)
     for r in range(rounds):
         for j in range(jobs):
-            samples = [TrainSample(p, comp, [-2.0] * len(comp), advantage=1.0 if k % 2 else -1.0)
-                       for p in rnd.sample(prompts, 4) for k in range(4)
-                       for comp in [[rnd.randrange(100, 40000) for _ in range(rnd.randrange(3, max_new + 1))]]]
+            samples = _samples(rnd, rnd.sample(prompts, 4), lambda: rnd.randrange(3, max_new + 1))
             step(eng, f"r{j}", r, spec, samples, None)
+
+
+def _samples(rnd, prompts: list[str], length) -> list:
+    """4 rows a prompt of `length()` random completion tokens each, advantages -1 and +1 in turn."""
+    from marlaas.train.records import TrainSample
+
+    out = []
+    for p in prompts:
+        for k in range(4):
+            comp = [rnd.randrange(100, 40000) for _ in range(length())]
+            out.append(TrainSample(p, comp, [-2.0] * len(comp), advantage=1.0 if k % 2 else -1.0))
+    return out
 
 
 def main() -> None:

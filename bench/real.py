@@ -460,6 +460,12 @@ def jit_setting(text: str) -> int | str:
     return n
 
 
+def _true_false(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give true or false")
+    return text.lower() == "true"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", default="basic_arithmetic,gcd,lcm,letter_counting",
@@ -477,7 +483,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--staleness", type=int, default=2, help="max_staleness of the async mode (b)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--drop-zero-advantage", type=lambda v: {"true": True, "false": False}[v.lower()], default=None,
+    ap.add_argument("--drop-zero-advantage", type=_true_false, default=None,
                     help="marlaas jobs' rl.drop_zero_advantage (true|false; default: the spec's default)")
     ap.add_argument("--modes", default="sync,async,trl",
                     help="of sync (a), async (b), trl (c: TRL's GRPOTrainer, job after job, after the stack stops)")
