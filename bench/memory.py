@@ -11,7 +11,8 @@ bench/real.py does) and reads its resident set after each stage: the peak of tha
             eval_size) with `--max-new` tokens; one sampled step (4 prompts x 4 rows, seeded);
   train:    load the engine; two RL steps (LoRA rank 8, all-linear) on 16 rows of `--max-new` tokens,
             their rows in micro-batches within `--activation-mb` of activations (the trainer's
-            MARLAAS_TRAIN_ACTIVATION_MB; auto = half the weights' bytes on the CPU); with
+            MARLAAS_TRAIN_ACTIVATION_MB; auto = a quarter of the weights' bytes on the CPU; a row over it
+            recomputes just enough layers in the backward, `--recompute off` keeps them all); with
             `--train-rounds R`, then R steps of each of `--train-jobs` jobs in turn (a trainer serving
             several live jobs, as in bench/real.py's (b)):
     .venv/bin/python bench/memory.py --stations train --train-jobs 4 --train-rounds 6 --out results/memory_jobs.json
@@ -110,8 +111,10 @@ def station_train(base: Path, a) -> list[dict]:
     st = Stages()
     mb = a.activation_mb
     micro = None if mb == "none" else "auto" if mb == "auto" else float(mb) * 2**20
-    eng = st.run("load", lambda: TrainingEngine(base, threads=1, cache_size=8, checkpointing=a.checkpointing,
-                                                micro_bytes=micro))
+    eng = st.run("load", lambda: TrainingEngine(base, threads=1, cache_size=a.train_cache,
+                                                checkpointing=a.checkpointing, micro_bytes=micro))
+    if not a.recompute:  # the engine without its per-pass recompute: a long row keeps every layer's activations
+        eng.recompute.layers = []
     spec = JobSpec.model_construct(task="rg:chain_sum", lora=LoraSpec(rank=8, alpha=16.0), rl=RLSpec(),
                                    learning_rate=1e-3, temperature=1.0, seed=0)
     samples = _samples(random.Random(0), _prompts(eng.tokenizer, 4, 2), lambda: a.max_new)
@@ -124,23 +127,38 @@ def station_train(base: Path, a) -> list[dict]:
               for s in samples]
     passes = len(eng._micro_ranges([Part("j", samples, None, additive=True)]))
     return {"stages": st.rows, "activation_mb": None if eng.micro_bytes is None else round(eng.micro_bytes / 2**20, 1),
-            "passes_per_step": passes, "row_tokens": sum(n for n, _ in shapes)}
+            "passes_per_step": passes, "row_tokens": sum(n for n, _ in shapes), "layers": eng.recompute.sizes[0],
+            "recompute": a.recompute, "passes": (c := eng.recompute.counts)["passes"],
+            "passes_recomputing": c["recomputing"], "recomputed_layers_most": c["most"],
+            "recomputed_layers_mean": round(c["layers"] / max(1, c["passes"]), 2)}
 
 
 def _rounds(eng, spec, jobs: int, rounds: int, max_new: int) -> None:
-    """`rounds` steps of each of `jobs` jobs in turn, as a trainer serving them all does: every job's
-    adapter and Adam moments stay cached; each step's 16 rows draw 4 of 64 prompts and 3 to max_new
-    tokens (bench/real.py's rows vary the same way)."""
+    """`rounds` steps of each of `jobs` jobs in turn, as a trainer serving them all does: a job's
+    adapter and Adam moments stay cached while the engine's cache holds them, else it is loaded from
+    the state its last step published (as the train station does from the store: here a file, so the
+    published bytes are not in the process between steps); each step's 16 rows draw 4 of 64 prompts
+    and 3 to max_new tokens (bench/real.py's rows vary the same way)."""
+    import pickle
     import random
+    import tempfile
 
-    from marlaas.train.step import step
+    from marlaas.train.records import TrainState
+    from marlaas.train.step import ensure_job, step
 
     rnd = random.Random(1)
     prompts = _prompts(eng.tokenizer, 64, 3)
-    for r in range(rounds):
-        for j in range(jobs):
-            samples = _samples(rnd, rnd.sample(prompts, 4), lambda: rnd.randrange(3, max_new + 1))
-            step(eng, f"r{j}", r, spec, samples, None)
+    with tempfile.TemporaryDirectory() as store:
+        for r in range(rounds):
+            for j in range(jobs):
+                samples = _samples(rnd, rnd.sample(prompts, 4), lambda: rnd.randrange(3, max_new + 1))
+                published = Path(store) / f"r{j}"
+                if r and eng.cached().get(f"r{j}") != r:
+                    ensure_job(eng, f"r{j}", r, spec, pickle.loads(published.read_bytes()))
+                out = step(eng, f"r{j}", r, spec, samples, None)
+                published.write_bytes(pickle.dumps(TrainState(version=r + 1, adapter=out.adapter,
+                                                              optimizer=out.optimizer)))
+                del out
 
 
 def _samples(rnd, prompts: list[str], length) -> list:
@@ -155,6 +173,12 @@ def _samples(rnd, prompts: list[str], length) -> list:
     return out
 
 
+def _on_off(v: str) -> bool:
+    if v not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"{v!r}: give on or off")
+    return v == "on"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
@@ -166,8 +190,13 @@ def main() -> None:
     ap.add_argument("--checkpointing", action="store_true", help="the trainer's gradient checkpointing on")
     ap.add_argument("--activation-mb", default="auto",
                     help="the trainer's activations per pass (micro-batches): auto (its default), none, or MiB")
+    ap.add_argument("--recompute", type=_on_off, default=True,
+                    help="on (the trainer's default): a pass over its activation budget recomputes just enough "
+                         "layers in the backward to fit; off: it keeps them all (the trainer before 2026-12-07)")
     ap.add_argument("--stations", default="generate,train", help="which stations to measure")
     ap.add_argument("--train-jobs", type=int, default=4, help="jobs the trainer's last stage serves in turn")
+    ap.add_argument("--train-cache", type=int, default=8,
+                    help="jobs the trainer's cache holds (idle ones beyond it reload from their published state)")
     ap.add_argument("--train-rounds", type=int, default=0,
                     help="steps of each of --train-jobs jobs in the trainer's last stage (0: no such stage)")
     ap.add_argument("--station", choices=("generate", "train"), help=argparse.SUPPRESS)  # the child's part
@@ -192,6 +221,8 @@ def main() -> None:
                             str(a.eval_rows), "--max-new", str(a.max_new), "--rows-per-call", str(a.rows_per_call),
                             "--call-tokens", a.call_tokens, "--activation-mb", a.activation_mb,
                             "--train-jobs", str(a.train_jobs), "--train-rounds", str(a.train_rounds),
+                            "--train-cache", str(a.train_cache),
+                            "--recompute", "on" if a.recompute else "off",
                             *(["--checkpointing"] if a.checkpointing else [])], capture_output=True, text=True,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
         if r.returncode:
@@ -207,12 +238,14 @@ def main() -> None:
                           "peak_private_over_weights": round(max(x["peak_private_mb"] for x in rows) / weight_mb, 2)}
     cmd = (f"bench/memory.py --eval-rows {a.eval_rows} --max-new {a.max_new} --rows-per-call {a.rows_per_call}"
            f" --call-tokens {a.call_tokens} --activation-mb {a.activation_mb} --stations {a.stations}"
-           + (" --checkpointing" if a.checkpointing else "")
-           + (f" --train-jobs {a.train_jobs} --train-rounds {a.train_rounds}" if a.train_rounds else "")
+           + (" --checkpointing" if a.checkpointing else "") + ("" if a.recompute else " --recompute off")
+           + (f" --train-jobs {a.train_jobs} --train-rounds {a.train_rounds} --train-cache {a.train_cache}"
+              if a.train_rounds else "")
            + (f" --out {a.out}" if a.out else ""))
     res = {"command": cmd, "date": time.strftime("%Y-%m-%d"),
            "base": BASE_NAME, "weights_mb": round(weight_mb, 1), "eval_rows": a.eval_rows, "max_new_tokens": a.max_new,
            "rows_per_call": a.rows_per_call, "checkpointing": a.checkpointing, "activation_mb": a.activation_mb,
+           "recompute": a.recompute,
            "private_is": "peak RSS less the file-backed pages at the stage's end (the weights, mapped from the "
                          "safetensors file, and the libraries: one copy in the page cache for every process of "
                          "the host that maps them)",

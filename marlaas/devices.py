@@ -8,6 +8,8 @@ Both engines (the HF generation engine and the trainer) take the pair; vLLM plac
 
 from __future__ import annotations
 
+import ctypes
+
 
 def resolve_device(name: str):
     """'auto' | 'cpu' | 'cuda' | 'cuda:N' -> torch.device; a GPU asked for but absent is one clear error."""
@@ -42,3 +44,15 @@ def resolve_dtype(name: str, device):
     if name not in table:
         raise ValueError(f"MARLAAS_DTYPE={name!r}: expected 'auto', 'float32' or 'bfloat16'")
     return table[name]
+
+
+def release_heap(device) -> None:
+    """Hand freed host memory back to the OS after a pass or a model call on the CPU: glibc keeps freed
+    heap pages resident (and a long-lived worker's heap fragments over calls of varied shapes), so an
+    engine process would otherwise hold its largest call's working memory between calls and grow
+    past it. Nothing on other devices or without glibc."""
+    if getattr(device, "type", device) == "cpu":
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass

@@ -121,8 +121,9 @@ class Settings(BaseSettings):
     trainer's peak 3.5 -> 2.1 GB, a step 1.4x slower; for a trainer host short of memory."""
     train_activation_mb: float | None = Field(None, ge=0)
     """MARLAAS_TRAIN_ACTIVATION_MB: the activations one trainer pass may hold; a step's rows run in
-    micro-batches within it and their gradients add up (the same step, bounded memory). Unset: half
-    the base's weight bytes on the CPU, one pass on a GPU; 0: one pass always."""
+    micro-batches within it and their gradients add up (the same step, bounded memory); a micro-batch of
+    one row over it recomputes the activations of just enough of its first layers in the backward to
+    fit. Unset: a quarter of the base's weight bytes on the CPU, one pass on a GPU; 0: one pass always."""
     vllm_args: dict[str, Any] = Field(default_factory=dict)
     """Extra vLLM engine arguments (MARLAAS_VLLM_ARGS, a JSON object) for GPU hosts: max_loras,
     max_adapters (= vLLM's max_cpu_loras), max_num_seqs, max_model_len, kv_cache_memory_bytes, or any

@@ -54,6 +54,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from marlaas.adapters import lora_config_from_dict
+from marlaas.devices import release_heap
 from marlaas.generate.calls import call_plan, call_token_budget
 from marlaas.generate.engine import (
     AdapterSource,
@@ -324,8 +325,11 @@ class HFEngine(GenerationEngine):
                 ids = {i: self._prompt_ids(requests[i]) for i in idxs}  # tokenized once: planned, then run
                 sized = [(requests[i].n, len(ids[i])) for i in idxs]
                 for call in call_plan(sized, key[2], self.max_rows_per_call, self.call_tokens):
-                    self._run_group(requests, [idxs[k] for k in call], names, key, ignore_eos, results, matchers,
-                                    ids)
+                    try:
+                        self._run_group(requests, [idxs[k] for k in call], names, key, ignore_eos, results,
+                                        matchers, ids)
+                    finally:
+                        release_heap(self.device)
         return results  # type: ignore[return-value]
 
     def _prompt_ids(self, r: GenRequest) -> list[int]:

@@ -10,7 +10,8 @@ Public API, shaped like Tinker's primitives; the job RL step (`marlaas.train.ste
   gradients; `forward_backward_many(parts)` does the same for several keys in one routed pass
   (`marlaas.train.routing`: rows never mix, so each adapter gets exactly its own gradient).
   A pass whose loss is additive over rows (`Part.additive`) runs in micro-batches within
-  `micro_bytes` of activations (default on the CPU: half the weights' bytes; `marlaas.train.micro`).
+  `micro_bytes` of activations (default on the CPU: a quarter of the weights' bytes; `marlaas.train.micro`);
+  one row over it recomputes just enough layers in the backward to fit (`marlaas.train.recompute`).
 - `optim_step(key, AdamParams)`: optional global-norm clip, one AdamW step with the given
   hyperparameters (skipped when the clipped norm is NaN/inf), gradients cleared.
 - `state(key) -> TrainState`, `adapter_blob`, `optimizer_bytes`, `evict`, `cached`, `set_version`,
@@ -20,7 +21,10 @@ Public API, shaped like Tinker's primitives; the job RL step (`marlaas.train.ste
 One `PeftModel` wraps the base; each key is its own named adapter in it (keys are mapped to safe
 adapter names: PEFT forbids '.' in them). Adapters and optimisers live in an LRU cache of
 `cache_size` keys (pinned keys are skipped when making room, so the cache may hold more while they
-are pinned); an evicted key is rebuilt by its caller from a `TrainState`.
+are pinned); an evicted key is rebuilt by its caller from a `TrainState`. On the CPU the cache holds
+one key by default: every live job's LoRA and Adam moments kept in the trainer's process (29 MB a job
+on SmolLM2-135M at rank 8 on all linear layers) would grow its peak with the jobs, while reloading a
+job from the state it published costs about 0.35 s a switch there (a step of 16 rows takes 8-13 s).
 
 Invariants:
 - The base weights never change: only the adapters being trained require grad (`set_adapter()`
@@ -33,7 +37,7 @@ Invariants:
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import io
 import math
 import re
@@ -45,9 +49,11 @@ from pathlib import Path
 import torch
 
 from marlaas.adapters import blob_from_peft, lora_config_from_dict
+from marlaas.devices import release_heap
 from marlaas.errors import TrainStateError
 from marlaas.train import micro
 from marlaas.train.batch import build_batch, gather
+from marlaas.train.recompute import Recompute
 from marlaas.train.records import AdamParams, Forward, LossFn, Part, Result, TrainSample, TrainState
 from marlaas.train.routing import routed
 from marlaas.types import AdapterBlob
@@ -71,43 +77,34 @@ def _safe_name(key: str, serial: int) -> str:
     return f"j{serial}_{re.sub(r'[^A-Za-z0-9_]', '_', key)[:40]}"
 
 
-def _release_heap(device: torch.device) -> None:
-    """Hand the pass's freed activations back to the OS: glibc keeps freed heap pages resident, so a
-    trainer would otherwise hold its largest step's activations between steps."""
-    if device.type == "cpu":
-        try:
-            ctypes.CDLL(None).malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
-
-
 class TrainingEngine:
     """Trains per-key LoRA adapters on one resident base model (see the module docstring)."""
 
-    def __init__(self, base_path: str | Path, *, threads: int = 1, cache_size: int = 32, device: str = "cpu",
+    def __init__(self, base_path: str | Path, *, threads: int = 1, cache_size: int | str = "auto", device: str = "cpu",
                  dtype: str = "auto", checkpointing: bool = False, micro_bytes: float | None | str = "auto"):
         from transformers import AutoModelForCausalLM
 
         from marlaas.base.tiny import load_tokenizer
         from marlaas.devices import resolve_device, resolve_dtype
 
-        if cache_size < 1:
-            raise ValueError("cache_size must be >= 1")
         torch.set_num_threads(threads)
         self.base_path = Path(base_path)
-        self.cache_size = cache_size
         self.device = resolve_device(device)
+        if cache_size == "auto":  # the CPU keeps only the job it steps (see the module docstring)
+            cache_size = 1 if self.device.type == "cpu" else 32
+        if not isinstance(cache_size, int) or cache_size < 1:
+            raise ValueError(f"cache_size must be 'auto' or an int >= 1 (got {cache_size!r})")
+        self.cache_size = cache_size
         self.tokenizer = load_tokenizer(self.base_path)
         self.base = AutoModelForCausalLM.from_pretrained(self.base_path, dtype=resolve_dtype(dtype, self.device))
         self.base.to(self.device)
         self.base.requires_grad_(False)
-        if checkpointing:  # keep each layer's input only; recompute its activations during backward
-            self.base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         dtype_bytes = next(self.base.parameters()).element_size()
         self._row_bytes = micro.row_bytes(self.base.config, dtype_bytes)
-        if micro_bytes == "auto":  # the CPU's passes within half the weights' bytes; a GPU's in one
+        self.recompute = Recompute(self.base, self.base.config, dtype_bytes, always=checkpointing)
+        if micro_bytes == "auto":  # the CPU's passes within a quarter of the weights' bytes; a GPU's in one
             weights = sum(p.numel() for p in self.base.parameters()) * dtype_bytes
-            micro_bytes = max(64 * 2**20, weights / 2) if self.device.type == "cpu" else None
+            micro_bytes = max(64 * 2**20, weights / 4) if self.device.type == "cpu" else None
         self.micro_bytes = micro_bytes or None
         self.model = None  # the PeftModel, created with the first adapter
         self._jobs: OrderedDict[str, _Entry] = OrderedDict()
@@ -288,7 +285,8 @@ class TrainingEngine:
 
     def _logits(self, model, input_ids, attn, positions, T: int) -> torch.Tensor:
         # Completions are right-aligned, so the logits that predict them are the T before the last.
-        out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, logits_to_keep=T + 1)
+        out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, logits_to_keep=T + 1,
+                    use_cache=False)
         return out.logits[:, :-1, :]
 
     @torch.no_grad()
@@ -357,7 +355,7 @@ class TrainingEngine:
                     pieces[i].append(res)
             return [micro.merge_results(pc, p.samples) for pc, p in zip(pieces, parts)]
         finally:
-            _release_heap(self.device)
+            release_heap(self.device)
 
     def _micro_ranges(self, parts: list[Part]) -> list[range]:
         """The pass's micro-batches over its rows (concatenated in part order); one unless every part's
@@ -394,34 +392,34 @@ class TrainingEngine:
             return out
 
         def forward():
-            if solo:
-                return self._logits(model, input_ids, attn, positions, T)
-            with routed(model, names, sizes):
-                return self._logits(model, input_ids, attn, positions, T)
+            return self._logits(model, input_ids, attn, positions, T)
 
-        model.train()
-        refs: list = [None] * len(parts)
-        if any(p.ref for p in parts):
-            # Before the trainable pass: leaving disable_adapter() resets requires_grad.
-            with torch.no_grad(), model.disable_adapter():
-                logits = self._logits(model, input_ids, attn, positions, T)
-                refs = [r if p.ref else None for p, r in zip(parts, per_part(logits))]
-        if solo:
-            model.set_adapter(names[0])
-        proxes: list = [None] * len(parts)
-        if any(p.prox for p in parts):
-            model.eval()
-            with torch.no_grad():
-                proxes = [x if p.prox else None for p, x in zip(parts, per_part(forward()))]
+        # Routed through the backward too: a recomputing layer runs its forward again there.
+        with contextlib.nullcontext() if solo else routed(model, names, sizes):
             model.train()
-        self._trainable(entries)
-        with torch.set_grad_enabled(backward):
-            logps = per_part(forward())
-            fwds = [Forward(p.samples, lp, b[4], b[5], r, x, None if ranges is None else list(ranges[i]))
-                    for i, (p, lp, b, r, x) in enumerate(zip(parts, logps, batches, refs, proxes))]
-            losses = [p.loss(f) for p, f in zip(parts, fwds)]
-            if backward:
-                torch.stack([v for v, _ in losses]).sum().backward()
+            refs: list = [None] * len(parts)
+            if any(p.ref for p in parts):
+                # Before the trainable pass: leaving disable_adapter() resets requires_grad.
+                with torch.no_grad(), model.disable_adapter():
+                    refs = [r if p.ref else None for p, r in zip(parts, per_part(forward()))]
+            if solo:
+                model.set_adapter(names[0])
+            proxes: list = [None] * len(parts)
+            if any(p.prox for p in parts):
+                model.eval()
+                with torch.no_grad():
+                    proxes = [x if p.prox else None for p, x in zip(parts, per_part(forward()))]
+                model.train()
+            self._trainable(entries)
+            layers = self.recompute.for_pass(*input_ids.shape, T + 1, self._row_bytes, self.micro_bytes) \
+                if backward else contextlib.nullcontext()
+            with layers, torch.set_grad_enabled(backward):
+                logps = per_part(forward())
+                fwds = [Forward(p.samples, lp, b[4], b[5], r, x, None if ranges is None else list(ranges[i]))
+                        for i, (p, lp, b, r, x) in enumerate(zip(parts, logps, batches, refs, proxes))]
+                losses = [p.loss(f) for p, f in zip(parts, fwds)]
+                if backward:
+                    torch.stack([v for v, _ in losses]).sum().backward()
         out = []
         for f, (v, stats) in zip(fwds, losses):
             f.logp_B_T = f.logp_B_T.detach()

@@ -14,6 +14,8 @@ tensor merging (`merge_forwards`, `merge_stats`); unit-tested in tests/unit/test
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from marlaas.train.records import Forward, Part, Result
@@ -38,6 +40,36 @@ def row_bytes(config, dtype_bytes: int) -> tuple[int, int]:
     return dtype_bytes * layers * (HIDDEN_VECTORS * hidden + INTER_VECTORS * inter), 4 * LOGIT_COPIES * vocab
 
 
+def layer_bytes(config, dtype_bytes: int) -> tuple[int, float, float]:
+    """(layers, bytes per row-token one layer keeps for its backward, bytes per row-token it keeps
+    when it recomputes its activations in the backward instead: its input, one hidden vector)."""
+    layers = int(getattr(config, "num_hidden_layers", 1) or 1)
+    hidden = int(getattr(config, "hidden_size", 1) or 1)
+    return layers, row_bytes(config, dtype_bytes)[0] / layers, float(dtype_bytes * hidden)
+
+
+def pass_bytes(rows: int, width: int, positions: int, per_token: float, per_position: float) -> float:
+    """What one pass of `rows` left-padded to `width` tokens, with logits at `positions` (the
+    completion columns plus one), keeps for its backward."""
+    return rows * (width * per_token + positions * per_position)
+
+
+def recompute_layers(cost: float, budget_bytes: float | None, row_tokens: int, layers: int, per_layer: float,
+                     kept_per_layer: float) -> int:
+    """How many layers of a pass (the first ones: their recompute comes when the later layers' kept
+    activations are already freed) recompute their activations in the backward so that the pass's
+    `cost` bytes fit `budget_bytes`: each saves `row_tokens` x (`per_layer` - `kept_per_layer`).
+    0 when it fits or there is no budget; every layer when even that does not fit. A micro-batch of
+    one row longer than the budget (which `plan` cannot split further) pays recompute for just the
+    layers it must, instead of holding its whole activations (or recomputing all of them)."""
+    if budget_bytes is None or cost <= budget_bytes or layers < 1:
+        return 0
+    saving = row_tokens * (per_layer - kept_per_layer)
+    if saving <= 0:
+        return layers
+    return min(layers, math.ceil((cost - budget_bytes) / saving))
+
+
 def plan(shapes: list[tuple[int, int]], per_token: int, per_position: int, budget_bytes: float | None) -> list[range]:
     """Split rows (each `(length, completion positions)`, in order) into consecutive micro-batches whose
     cost, rows x (longest row x `per_token` + most positions x `per_position`) as left padding lays
@@ -49,7 +81,7 @@ def plan(shapes: list[tuple[int, int]], per_token: int, per_position: int, budge
     start, width, positions = 0, 0, 0
     for i, (length, t) in enumerate(shapes):
         w, p = max(width, length), max(positions, t + 1)
-        if i > start and (i - start + 1) * (w * per_token + p * per_position) > budget_bytes:
+        if i > start and pass_bytes(i - start + 1, w, p, per_token, per_position) > budget_bytes:
             out.append(range(start, i))
             start, w, p = i, length, t + 1
         width, positions = w, p

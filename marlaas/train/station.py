@@ -67,10 +67,22 @@ def no_signal_check(store: Store, jid: str, spec, t: int, groups: list[list[floa
     return None
 
 
+def _load(store: Store, engine, jid: str, t: int, spec) -> None:
+    """Load job `jid` at version `t` into the trainer's cache from the state published with that version
+    (if there is one). Its bytes (the LoRA and two Adam moments) are dropped on return, before the step's
+    activations are: they never add to the trainer's peak."""
+    from marlaas.train.engine import TrainState
+    from marlaas.train.step import ensure_job
+
+    opt = store.optimizer_state(jid)
+    if opt is not None and opt[0] == t:
+        ensure_job(engine, jid, t, spec, TrainState(version=t, adapter=store.adapter(AdapterRef(jid, t)),
+                                                    optimizer=opt[1]))
+
+
 def run_train(store: Store, engine, jid: str, t: int, token: str) -> dict:
     """One policy-gradient step of job `jid` at version t on `engine`; publishes t+1 exactly once (under
     the trainer lease `token`). Returns the step's metrics, or {"skipped": why}."""
-    from marlaas.train.engine import TrainState
     from marlaas.train.step import step
 
     status, version = store.job_fields(jid, "status", "version")
@@ -95,13 +107,10 @@ def run_train(store: Store, engine, jid: str, t: int, token: str) -> dict:
         engine.evict(jid)
         return {"skipped": stop}
     samples, rewards_all, staleness = train_batch(spec, t, rolls)
-    state = None
-    if t > 0:
-        opt = store.optimizer_state(jid)
-        if opt is not None and opt[0] == t:
-            state = TrainState(version=t, adapter=store.adapter(AdapterRef(jid, t)), optimizer=opt[1])
     t0 = time.time()
-    out = step(engine, jid, t, spec, samples, state)
+    if t > 0 and engine.cached().get(jid) != t:
+        _load(store, engine, jid, t, spec)
+    out = step(engine, jid, t, spec, samples, None)  # from the cache (else: "no state for version t")
     metrics = dict(out.metrics)
     metrics.update(
         step=t + 1,

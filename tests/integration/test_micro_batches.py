@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from marlaas.spec import JobSpec, LoraSpec, RLSpec
+from marlaas.train import micro
 from marlaas.train.engine import TrainingEngine, TrainSample
 from marlaas.train.step import step, step_fused
 
@@ -142,3 +143,38 @@ def test_a_loss_not_marked_additive_runs_in_one_pass(random_base):
     with _Passes(eng) as passes:
         eng.forward_backward("m", _samples(4), lambda f: (f.logp_B_T.sum(), {}))
     assert passes.n == 1
+
+
+def test_a_row_over_the_budget_recomputes_just_the_layers_it_must(random_base):
+    """A micro-batch of one row that alone exceeds the budget recomputes the activations of its first
+    layers in the backward (as few as fit it) instead of keeping them: the same adapter and loss."""
+    samples, spec = _samples(5), _spec(seed=3)
+    whole_eng = TrainingEngine(random_base, threads=1, cache_size=2, micro_bytes=None)
+    whole = step(whole_eng, "j", 0, spec, samples, None)
+    eng = TrainingEngine(random_base, threads=1, cache_size=2)
+    layers, per_layer, kept = eng.recompute.sizes
+    assert layers == len(eng.recompute.layers) == 2
+    width = max(len(eng._ids(s)) + len(s.completion_ids) for s in samples)
+    positions = max(len(s.completion_ids) for s in samples) + 1
+    # half a layer's saving under the widest row's cost: that row recomputes one of the two layers, the
+    # narrowest rows fit with none
+    eng.micro_bytes = micro.pass_bytes(1, width, positions, *eng._row_bytes) - 0.5 * width * (per_layer - kept)
+    split = step(eng, "j", 0, spec, samples, None)
+    counts = eng.recompute.counts
+    assert counts["passes"] == whole.metrics["n_samples"] and counts["most"] == 1, counts
+    assert 0 < counts["recomputing"] < counts["passes"], counts
+    assert not any(m.gradient_checkpointing for m in eng.recompute.layers)  # flags reset after each pass
+    _assert_same(whole, split)
+
+
+def test_a_fused_step_with_checkpointing_trains_the_same_adapters(random_base):
+    """Every layer recomputing in the backward of a routed pass over two jobs' rows: the recompute is
+    routed too, so each job gets the adapter of a pass that kept its activations."""
+    jobs = [("a", 0, _spec(seed=1), _samples(1), None), ("b", 0, _spec(seed=2), _samples(2), None)]
+    whole = step_fused(TrainingEngine(random_base, threads=1, cache_size=4, micro_bytes=None), jobs)
+    eng = TrainingEngine(random_base, threads=1, cache_size=4, micro_bytes=None, checkpointing=True)
+    with _Passes(eng) as passes:
+        ckpt = step_fused(eng, jobs)
+    assert passes.n == 1 and all(m.gradient_checkpointing for m in eng.recompute.layers)
+    for w, c in zip(whole, ckpt):
+        _assert_same(w, c)

@@ -81,7 +81,7 @@ def test_a_trained_out_job_leaves_the_trainer_cache(st, tiny_base):
     spec = JobSpec(task="max", steps=2, prompts_per_step=2, group_size=4, temperature=2.0, seed=1,
                    max_staleness=0, eval_size=2)
     gen = make_engine("hf", tiny_base, st.adapter, threads=1)
-    trainer = TrainingEngine(tiny_base, threads=1)
+    trainer = TrainingEngine(tiny_base, threads=1, cache_size=8)  # as on a GPU: live jobs stay cached
     done = st.create_job(spec, *job_rows(spec))
     ended = st.create_job(spec, *job_rows(spec))
     assert one_step(st, gen, trainer, done, 0, 2)["step"] == 1
@@ -92,3 +92,33 @@ def test_a_trained_out_job_leaves_the_trainer_cache(st, tiny_base):
     st.set_status(ended, "cancelled")
     assert "skipped" in run_train(st, trainer, ended, 1, "no-lease")
     assert trainer.cached() == {}
+
+
+def test_a_trainer_that_keeps_one_job_reloads_the_others_from_their_published_state(st, tiny_base):
+    # The CPU trainer's cache holds one job (its default): two jobs taking turns are each loaded from
+    # the state they published, and train exactly as a trainer that kept them both.
+    spec = JobSpec(task="max", steps=3, prompts_per_step=4, group_size=8, temperature=2.0, seed=1,
+                   max_staleness=0, eval_size=2, rl={"drop_zero_advantage": False})
+    gen = make_engine("hf", tiny_base, st.adapter, threads=1)
+    trainer, keeper = TrainingEngine(tiny_base, threads=1), TrainingEngine(tiny_base, threads=1, cache_size=8)
+    assert trainer.cache_size == 1
+    a, b = st.create_job(spec, *job_rows(spec)), st.create_job(spec, *job_rows(spec))
+    batches = []
+    for t in range(2):
+        for jid in (a, b):
+            groups = list(range(4 * t, 4 * t + 4))
+            run_generate(st, gen, [["gen", jid, g] for g in groups])
+            run_verify(st, jid, "ver", groups)
+            if jid == a:
+                batches.append(train_batch(spec, t, [st.rollout(a, g) for g in groups])[0])
+            assert run_train(st, trainer, jid, t, st.take_trainer(jid, t, 60))["step"] == t + 1
+            assert trainer.cached() == {jid: t + 1}
+    kept = [step(keeper, a, t, spec, batches[t], None) for t in range(2)]
+    published = st_load(st.adapter(AdapterRef(a, 2)).weights)
+    reference = st_load(kept[1].adapter.weights)
+    assert published.keys() == reference.keys()
+    for k in published:
+        torch.testing.assert_close(published[k], reference[k], rtol=0, atol=1e-6)
+    assert any(not torch.equal(published[k], st_load(st.adapter(AdapterRef(a, 1)).weights)[k]) for k in published)
+    states = torch.load(io.BytesIO(st.optimizer_state(a)[1]), weights_only=True)["optimizer"]["state"].values()
+    assert all(int(s["step"]) == 2 for s in states)  # Adam's moments went on from the store, not afresh

@@ -29,6 +29,24 @@ def test_row_bytes_from_a_config():
     assert per_position == 4 * micro.LOGIT_COPIES * 50
 
 
+def test_recompute_layers_takes_the_fewest_layers_that_fit_the_budget():
+    class Config:
+        num_hidden_layers, hidden_size, intermediate_size, vocab_size = 4, 8, 16, 50
+
+    layers, per_layer, kept = micro.layer_bytes(Config, 4)
+    assert (layers, kept) == (4, 32.0) and per_layer == micro.row_bytes(Config, 4)[0] / 4
+    # a pass over 10 row-tokens costing 1000 bytes; a recomputing layer keeps 2 of its 12 bytes a token,
+    # so each saves 10 x 10 = 100
+    assert micro.recompute_layers(1000, 1000, 10, 4, 12, 2) == 0  # fits
+    assert micro.recompute_layers(1000, None, 10, 4, 12, 2) == 0  # no budget
+    assert micro.recompute_layers(1000, 900, 10, 4, 12, 2) == 1
+    assert micro.recompute_layers(1000, 850, 10, 4, 12, 2) == 2  # 150 over: two layers' 200
+    assert micro.recompute_layers(1000, 600, 10, 4, 12, 2) == 4
+    assert micro.recompute_layers(1000, 1, 10, 4, 12, 2) == 4  # never more than there are
+    assert micro.recompute_layers(1000, 1, 10, 4, 2, 2) == 4  # nothing to save: all, as checkpointing does
+    assert micro.pass_bytes(3, 5, 2, 10, 100) == 3 * (50 + 200)
+
+
 def test_split_parts_maps_ranges_onto_each_part():
     parts = [Part("a", [0, 1, 2], None), Part("b", [0, 1], None)]
     got = micro.split_parts(parts, [range(0, 2), range(2, 4), range(4, 5)])
