@@ -14,8 +14,10 @@ bench/real.py does) and reads its resident set after each stage: the peak of tha
             MARLAAS_TRAIN_ACTIVATION_MB; auto = a quarter of the weights' bytes on the CPU; a row over it
             recomputes just enough layers in the backward, `--recompute off` keeps them all); with
             `--train-rounds R`, then R steps of each of `--train-jobs` jobs in turn (a trainer serving
-            several live jobs, as in bench/real.py's (b)):
-    .venv/bin/python bench/memory.py --stations train --train-jobs 4 --train-rounds 6 --out results/memory_jobs.json
+            several live jobs, as in bench/real.py's (b); `--train-cache N` jobs stay in the engine's
+            cache, the others reload from the state they published, as the train station does):
+    .venv/bin/python bench/memory.py --stations train --train-jobs 4 --train-rounds 6 \\
+        --train-cache 1 --out results/memory_jobs_cache1.json      (and 8, memory_jobs_cache8.json)
 Every figure is also given over the base's weight bytes (the float32 safetensors files): the
 target is a peak <= 2.5x the weights per generate and train process.
 """
@@ -25,8 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -87,7 +91,12 @@ def station_generate(base: Path, a) -> list[dict]:
     torch.set_num_threads(1)
     st = Stages()
     call_tokens = None if a.call_tokens == "none" else a.call_tokens if a.call_tokens == "auto" else int(a.call_tokens)
-    eng = st.run("load", lambda: HFEngine(base, lambda ref: None, threads=1, max_rows_per_call=a.rows_per_call,
+    from marlaas.adapters import read_adapter_dir
+
+    def source(ref):  # every version of adapter k: the random LoRA the parent wrote for it
+        return read_adapter_dir(a.adapters / ref.job_id)
+
+    eng = st.run("load", lambda: HFEngine(base, source, threads=1, max_rows_per_call=a.rows_per_call,
                                           call_tokens=call_tokens))
     ev = _prompts(eng.tokenizer, a.eval_rows, 1)
     reqs = [GenRequest(key=f"e{i}", prompt=p, adapter=None, greedy=True, max_new_tokens=a.max_new)
@@ -97,7 +106,46 @@ def station_generate(base: Path, a) -> list[dict]:
     reqs = [GenRequest(key=f"s{i}", prompt=p, adapter=None, n=4, seed=i, temperature=1.0,
                        max_new_tokens=a.max_new) for i, p in enumerate(tr)]
     st.run(f"sampled step (4 prompts x 4 rows x {a.max_new} tokens)", lambda: eng.generate(reqs))
+    if a.gen_adapters:
+        st.run(f"{a.gen_rounds} rounds of {a.gen_adapters} adapters' steps in one mixed call, a new version each "
+               f"round; then a greedy evaluation of {a.eval_rows} prompts on each adapter",
+               lambda: _adapter_rounds(eng, a, ev))
     return {"stages": st.rows, "call_tokens": eng.call_tokens}
+
+
+def _adapter_rounds(eng, a, ev: list[str]) -> None:
+    """A generate worker serving `--gen-adapters` live jobs, as in bench/real.py's (b): each round one
+    call mixes every job's step (4 prompts x 4 sampled rows on its newest adapter version, which the
+    engine writes into its previous version's slot), then each job's held-out evaluation."""
+    from marlaas.types import AdapterRef, GenRequest
+
+    prompts = _prompts(eng.tokenizer, 64, 3)
+    for r in range(a.gen_rounds):
+        eng.generate([GenRequest(key=f"a{k}s{i}", prompt=prompts[(4 * (r + k) + i) % 64],
+                                 adapter=AdapterRef(f"a{k}", r), n=4, seed=i, temperature=1.0,
+                                 max_new_tokens=a.max_new) for k in range(a.gen_adapters) for i in range(4)])
+    for k in range(a.gen_adapters):
+        eng.generate([GenRequest(key=f"a{k}e{i}", prompt=p, adapter=AdapterRef(f"a{k}", a.gen_rounds), greedy=True,
+                                 max_new_tokens=a.max_new) for i, p in enumerate(ev)])
+
+
+def _write_adapters(base: Path, n: int, out: Path) -> None:
+    """`n` random LoRA adapters of the stack's shape (rank 8 on all linear layers, B drawn non-zero so
+    every row's output depends on its adapter) as PEFT directories `out/a<k>`."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from marlaas.adapters import blob_from_peft, lora_config, write_adapter_dir
+
+    pm = get_peft_model(AutoModelForCausalLM.from_pretrained(base), lora_config(8, "all-linear"))
+    gen = torch.Generator().manual_seed(0)
+    for k in range(n):
+        with torch.no_grad():
+            for name, p in pm.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.01)
+        write_adapter_dir(blob_from_peft(pm, "default"), out / f"a{k}")
 
 
 def station_train(base: Path, a) -> list[dict]:
@@ -111,7 +159,8 @@ def station_train(base: Path, a) -> list[dict]:
     st = Stages()
     mb = a.activation_mb
     micro = None if mb == "none" else "auto" if mb == "auto" else float(mb) * 2**20
-    eng = st.run("load", lambda: TrainingEngine(base, threads=1, cache_size=a.train_cache,
+    cache = a.train_cache if a.train_cache == "auto" else int(a.train_cache)
+    eng = st.run("load", lambda: TrainingEngine(base, threads=1, cache_size=cache,
                                                 checkpointing=a.checkpointing, micro_bytes=micro))
     if not a.recompute:  # the engine without its per-pass recompute: a long row keeps every layer's activations
         eng.recompute.layers = []
@@ -195,10 +244,15 @@ def main() -> None:
                          "layers in the backward to fit; off: it keeps them all (the trainer before 2026-12-07)")
     ap.add_argument("--stations", default="generate,train", help="which stations to measure")
     ap.add_argument("--train-jobs", type=int, default=4, help="jobs the trainer's last stage serves in turn")
-    ap.add_argument("--train-cache", type=int, default=8,
-                    help="jobs the trainer's cache holds (idle ones beyond it reload from their published state)")
+    ap.add_argument("--train-cache", default="auto",
+                    help="jobs the trainer's cache holds (idle ones beyond it reload from their published state): "
+                         "auto (the engine's default: one on the CPU) or a number")
     ap.add_argument("--train-rounds", type=int, default=0,
                     help="steps of each of --train-jobs jobs in the trainer's last stage (0: no such stage)")
+    ap.add_argument("--gen-adapters", type=int, default=0,
+                    help="live jobs the generate worker's last stage serves, one adapter each (0: no such stage)")
+    ap.add_argument("--gen-rounds", type=int, default=6, help="mixed steps of the --gen-adapters jobs")
+    ap.add_argument("--adapters", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--station", choices=("generate", "train"), help=argparse.SUPPRESS)  # the child's part
     ap.add_argument("--base", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -215,30 +269,37 @@ def main() -> None:
         import_base(BASE_NAME, base)
     weight_mb = sum(f.stat().st_size for f in base.glob("*.safetensors")) / 2**20
     stations = {}
-    for name in a.stations.split(","):
-        print(f"{name}:", file=sys.stderr, flush=True)
-        r = subprocess.run([sys.executable, __file__, "--station", name, "--base", str(base), "--eval-rows",
-                            str(a.eval_rows), "--max-new", str(a.max_new), "--rows-per-call", str(a.rows_per_call),
-                            "--call-tokens", a.call_tokens, "--activation-mb", a.activation_mb,
-                            "--train-jobs", str(a.train_jobs), "--train-rounds", str(a.train_rounds),
-                            "--train-cache", str(a.train_cache),
-                            "--recompute", "on" if a.recompute else "off",
-                            *(["--checkpointing"] if a.checkpointing else [])], capture_output=True, text=True,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if r.returncode:
-            sys.exit(f"the {name} process failed:\n{r.stderr[-3000:]}")
-        got = json.loads(r.stdout.strip().splitlines()[-1])
-        rows = got["stages"]
-        for row in rows:
-            row["peak_over_weights"] = round(row["peak_mb"] / weight_mb, 2)
-            row["peak_private_over_weights"] = round(row["peak_private_mb"] / weight_mb, 2)
-        stations[name] = {**got, "peak_mb": max(x["peak_mb"] for x in rows),
-                          "peak_over_weights": round(max(x["peak_mb"] for x in rows) / weight_mb, 2),
-                          "peak_private_mb": max(x["peak_private_mb"] for x in rows),
-                          "peak_private_over_weights": round(max(x["peak_private_mb"] for x in rows) / weight_mb, 2)}
+    adapters = Path(tempfile.mkdtemp(prefix="memory-adapters-"))
+    if a.gen_adapters and "generate" in a.stations.split(","):
+        _write_adapters(base, a.gen_adapters, adapters)
+    try:
+        for name in a.stations.split(","):
+            print(f"{name}:", file=sys.stderr, flush=True)
+            r = subprocess.run([sys.executable, __file__, "--station", name, "--base", str(base), "--eval-rows",
+                                str(a.eval_rows), "--max-new", str(a.max_new), "--rows-per-call", str(a.rows_per_call),
+                                "--call-tokens", a.call_tokens, "--activation-mb", a.activation_mb,
+                                "--train-jobs", str(a.train_jobs), "--train-rounds", str(a.train_rounds),
+                                "--train-cache", a.train_cache, "--adapters", str(adapters),
+                                "--gen-adapters", str(a.gen_adapters), "--gen-rounds", str(a.gen_rounds),
+                                "--recompute", "on" if a.recompute else "off",
+                                *(["--checkpointing"] if a.checkpointing else [])], capture_output=True, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if r.returncode:
+                sys.exit(f"the {name} process failed:\n{r.stderr[-3000:]}")
+            got = json.loads(r.stdout.strip().splitlines()[-1])
+            rows = got["stages"]
+            for row in rows:
+                row["peak_over_weights"] = round(row["peak_mb"] / weight_mb, 2)
+                row["peak_private_over_weights"] = round(row["peak_private_mb"] / weight_mb, 2)
+            peak, private = max(x["peak_mb"] for x in rows), max(x["peak_private_mb"] for x in rows)
+            stations[name] = {**got, "peak_mb": peak, "peak_over_weights": round(peak / weight_mb, 2),
+                              "peak_private_mb": private, "peak_private_over_weights": round(private / weight_mb, 2)}
+    finally:
+        shutil.rmtree(adapters, ignore_errors=True)
     cmd = (f"bench/memory.py --eval-rows {a.eval_rows} --max-new {a.max_new} --rows-per-call {a.rows_per_call}"
            f" --call-tokens {a.call_tokens} --activation-mb {a.activation_mb} --stations {a.stations}"
            + (" --checkpointing" if a.checkpointing else "") + ("" if a.recompute else " --recompute off")
+           + (f" --gen-adapters {a.gen_adapters} --gen-rounds {a.gen_rounds}" if a.gen_adapters else "")
            + (f" --train-jobs {a.train_jobs} --train-rounds {a.train_rounds} --train-cache {a.train_cache}"
               if a.train_rounds else "")
            + (f" --out {a.out}" if a.out else ""))

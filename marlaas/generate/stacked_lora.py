@@ -11,8 +11,8 @@ per `generate` call and the rows are laid out adapter by adapter:
     perm [U*m]            rows of the batch in adapter order, padded with a zero row
     inv  [rows]           each row's position in that layout (base rows -> a zero output row)
 
-    for x [rows, T, in]:  delta = (bmm(bmm(x[perm].view(U, m*T, in), A_u), B_u)).view(U*m, T, out)[inv]
-                          y = base_layer(x) + delta
+    for x [rows, T, in]:  o = bmm(bmm(x[perm].view(U, m*T, in), A_u), B_u).view(U*m, T, out)
+                          y = base_layer(x);  y[perm[j]] += o[j] for every slot j (in place)
 
 Zero padding leaves each row's result exactly `x @ A^T @ B^T * scaling` of its own adapter (padded
 rank columns and padded rows contribute zeros), i.e. PEFT's LoRA forward without dropout. The flops
@@ -84,7 +84,7 @@ def stack_weights(layer, names: list[str]):
     return A, B
 
 
-def _add_delta(layer, args, out, *, A, B, perm, inv, m, pad_in, pad_out):
+def _add_delta(layer, args, out, *, A, B, perm, into, m, pad_in):
     import torch
 
     x = args[0]
@@ -96,11 +96,11 @@ def _add_delta(layer, args, out, *, A, B, perm, inv, m, pad_in, pad_out):
         x3 = torch.cat([x3, x3.new_zeros(1, T, d_in)])
     xp = x3.index_select(0, perm)  # [U*m, T, in]
     o = torch.bmm(torch.bmm(xp.view(U, m * T, d_in), A), B)  # [U, m*T, out]
-    d_out = o.shape[-1]
-    o = o.view(U * m, T, d_out)
-    if pad_out:  # base rows take the zero row
-        o = torch.cat([o, o.new_zeros(1, T, d_out)])
-    return out + o.index_select(0, inv).view(*out.shape).to(out.dtype)  # [rows, T, out]
+    # Added in place into the base output (generation runs under inference_mode): no [rows, T, out]
+    # copy of the delta and no third tensor for the sum. A padding slot's delta is zero (its input
+    # row is zero) and `into` sends it to a row of its own adapter; base rows are in no slot.
+    out.view(rows, T, -1).index_add_(0, into, o.view(U * m, T, -1).to(out.dtype))
+    return out
 
 
 def lora_layers(peft_model) -> list:
@@ -132,10 +132,15 @@ def stacked_lora(peft_model, row_adapters: list[str], base_name: str, layers: li
     adapter (row i uses `row_adapters[i]`; `base_name` rows get none). Raises StackedLoRAUnsupported
     before touching the model when the adapters use something this path does not implement.
     `layers`: as in `base_only`."""
+    import torch
+
     names = sorted(set(row_adapters) - {base_name})
-    perm, inv, m = row_layout(row_adapters, names)
-    pad_in = bool((perm == len(row_adapters)).any())  # else no zero row is needed on the way in ...
-    pad_out = bool((inv == len(names) * m).any())  # ... or on the way out (no base rows)
+    perm, _, m = row_layout(row_adapters, names)
+    pad_in = bool((perm == len(row_adapters)).any())  # else no zero row is needed on the way in
+    # Each slot's output row; a padding slot's is its adapter's first row, so even a delta that is
+    # not zero (an adapter with inf or NaN weights) only ever lands on that adapter's own rows.
+    first = perm.view(len(names), m)[:, :1].expand(len(names), m).reshape(-1)
+    into = torch.where(perm == len(row_adapters), first, perm)
     hooks = []
     plans = []
     layers = lora_layers(peft_model) if layers is None else layers
@@ -143,11 +148,11 @@ def stacked_lora(peft_model, row_adapters: list[str], base_name: str, layers: li
         if any(n in module.lora_A for n in names):
             plans.append((module, *stack_weights(module, names)))
     if plans and plans[0][1].device != perm.device:  # the layout is built on the CPU
-        perm, inv = perm.to(plans[0][1].device), inv.to(plans[0][1].device)
+        perm, into = perm.to(plans[0][1].device), into.to(plans[0][1].device)
     try:
         for module, A, B in plans:
-            hooks.append(module.register_forward_hook(partial(_add_delta, A=A, B=B, perm=perm, inv=inv, m=m,
-                                                              pad_in=pad_in, pad_out=pad_out)))
+            hooks.append(module.register_forward_hook(partial(_add_delta, A=A, B=B, perm=perm, into=into, m=m,
+                                                              pad_in=pad_in)))
         with base_only(peft_model, layers):
             yield
     finally:

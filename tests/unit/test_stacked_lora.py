@@ -199,3 +199,26 @@ def test_a_new_version_takes_its_predecessors_slot(tmp_path):
     eng.generate(_reqs([a2, a3]))  # both versions in one batch: a2 is kept, a3 gets a new slot
     assert eng.serves(a2) and eng.serves(a3) and len(eng.peft.peft_config) == 3
     _assert_same(got, HFEngine(tmp_path / "base", blobs.__getitem__, max_adapters=8).generate(_reqs([a2, b1])))
+
+
+def test_an_adapter_with_nan_weights_reaches_only_its_own_rows():
+    # A hostile tenant's adapter may hold inf/NaN. Its rows are garbage, but no other row of the
+    # mixed batch (another adapter's, padding slots included, or the base's) may see any of it.
+    from marlaas.generate.stacked_lora import stacked_lora
+
+    peft, tok, names = _peft_with_adapters([4, 8, 16], uniform=True)
+    rows = ["a0", "__base__", "a1", "a1", "a1", "a2", "a0"]  # a0 and a2 have padding slots (m = 3)
+    prompts = [f"sort:{i}{i + 2}{i + 5}=" for i in range(len(rows))]
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        ref = peft(**enc, adapter_names=rows).logits
+        for pname, p in peft.named_parameters():
+            if ".a2." in pname and "lora_B" in pname:
+                p.fill_(float("nan"))
+        with stacked_lora(peft, rows, "__base__"):
+            got = peft(**enc).logits
+    mine = [i for i, a in enumerate(rows) if a == "a2"]
+    assert all(torch.isnan(got[i]).any() for i in mine)
+    for i in range(len(rows)):
+        if i not in mine:
+            assert torch.allclose(got[i], ref[i], atol=1e-5), (i, rows[i])
