@@ -48,9 +48,10 @@ def resolve_dtype(name: str, device):
 
 def release_heap(device) -> None:
     """Hand freed host memory back to the OS after a pass or a model call on the CPU: glibc keeps freed
-    heap pages resident (and a long-lived worker's heap fragments over calls of varied shapes), so an
-    engine process would otherwise hold its largest call's working memory between calls and grow
-    past it. Nothing on other devices or without glibc."""
+    heap pages resident, so an engine process would otherwise hold its largest call's working memory
+    between calls (a generate worker on SmolLM2-135M: 1,039 MB resident after an evaluation with
+    this, 1,115 MB without; the peak during a call is not lowered, and the call took as long).
+    Nothing on other devices or without glibc."""
     if getattr(device, "type", device) == "cpu":
         try:
             ctypes.CDLL(None).malloc_trim(0)
