@@ -97,7 +97,7 @@ def station_generate(base: Path, a) -> list[dict]:
         return read_adapter_dir(a.adapters / ref.job_id)
 
     eng = st.run("load", lambda: HFEngine(base, source, threads=1, max_rows_per_call=a.rows_per_call,
-                                          call_tokens=call_tokens))
+                                          call_tokens=call_tokens, kv_cache=a.kv_cache))
     ev = _prompts(eng.tokenizer, a.eval_rows, 1)
     reqs = [GenRequest(key=f"e{i}", prompt=p, adapter=None, greedy=True, max_new_tokens=a.max_new)
             for i, p in enumerate(ev)]
@@ -236,6 +236,8 @@ def main() -> None:
     ap.add_argument("--rows-per-call", type=int, default=1024, help="the generate engine's rows per model call")
     ap.add_argument("--call-tokens", default="auto",
                     help="the generate engine's row-tokens per model call: auto (its default), none, or a number")
+    ap.add_argument("--kv-cache", choices=("auto", "static", "dynamic"), default="auto",
+                    help="the generate engine's KV cache per call (auto: static on the CPU)")
     ap.add_argument("--checkpointing", action="store_true", help="the trainer's gradient checkpointing on")
     ap.add_argument("--activation-mb", default="auto",
                     help="the trainer's activations per pass (micro-batches): auto (its default), none, or MiB")
@@ -277,7 +279,8 @@ def main() -> None:
             print(f"{name}:", file=sys.stderr, flush=True)
             r = subprocess.run([sys.executable, __file__, "--station", name, "--base", str(base), "--eval-rows",
                                 str(a.eval_rows), "--max-new", str(a.max_new), "--rows-per-call", str(a.rows_per_call),
-                                "--call-tokens", a.call_tokens, "--activation-mb", a.activation_mb,
+                                "--call-tokens", a.call_tokens, "--kv-cache", a.kv_cache,
+                                "--activation-mb", a.activation_mb,
                                 "--train-jobs", str(a.train_jobs), "--train-rounds", str(a.train_rounds),
                                 "--train-cache", a.train_cache, "--adapters", str(adapters),
                                 "--gen-adapters", str(a.gen_adapters), "--gen-rounds", str(a.gen_rounds),
@@ -297,7 +300,8 @@ def main() -> None:
     finally:
         shutil.rmtree(adapters, ignore_errors=True)
     cmd = (f"bench/memory.py --eval-rows {a.eval_rows} --max-new {a.max_new} --rows-per-call {a.rows_per_call}"
-           f" --call-tokens {a.call_tokens} --activation-mb {a.activation_mb} --stations {a.stations}"
+           f" --call-tokens {a.call_tokens}" + ("" if a.kv_cache == "auto" else f" --kv-cache {a.kv_cache}")
+           + f" --activation-mb {a.activation_mb} --stations {a.stations}"
            + (" --checkpointing" if a.checkpointing else "") + ("" if a.recompute else " --recompute off")
            + (f" --gen-adapters {a.gen_adapters} --gen-rounds {a.gen_rounds}" if a.gen_adapters else "")
            + (f" --train-jobs {a.train_jobs} --train-rounds {a.train_rounds} --train-cache {a.train_cache}"
@@ -305,7 +309,8 @@ def main() -> None:
            + (f" --out {a.out}" if a.out else ""))
     res = {"command": cmd, "date": time.strftime("%Y-%m-%d"),
            "base": BASE_NAME, "weights_mb": round(weight_mb, 1), "eval_rows": a.eval_rows, "max_new_tokens": a.max_new,
-           "rows_per_call": a.rows_per_call, "checkpointing": a.checkpointing, "activation_mb": a.activation_mb,
+           "rows_per_call": a.rows_per_call, "kv_cache": a.kv_cache, "checkpointing": a.checkpointing,
+           "activation_mb": a.activation_mb,
            "recompute": a.recompute,
            "private_is": "peak RSS less the file-backed pages at the stage's end (the weights, mapped from the "
                          "safetensors file, and the libraries: one copy in the page cache for every process of "

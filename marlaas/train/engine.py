@@ -82,10 +82,8 @@ class TrainingEngine:
 
     def __init__(self, base_path: str | Path, *, threads: int = 1, cache_size: int | str = "auto", device: str = "cpu",
                  dtype: str = "auto", checkpointing: bool = False, micro_bytes: float | None | str = "auto"):
-        from transformers import AutoModelForCausalLM
-
         from marlaas.base.tiny import load_tokenizer
-        from marlaas.devices import resolve_device, resolve_dtype
+        from marlaas.devices import resolve_device, resolve_dtype, without_triton
 
         torch.set_num_threads(threads)
         self.base_path = Path(base_path)
@@ -95,8 +93,11 @@ class TrainingEngine:
         if not isinstance(cache_size, int) or cache_size < 1:
             raise ValueError(f"cache_size must be 'auto' or an int >= 1 (got {cache_size!r})")
         self.cache_size = cache_size
-        self.tokenizer = load_tokenizer(self.base_path)
-        self.base = AutoModelForCausalLM.from_pretrained(self.base_path, dtype=resolve_dtype(dtype, self.device))
+        with without_triton(self.device):  # the tokenizer's module loads transformers' model code too
+            from transformers import AutoModelForCausalLM
+
+            self.tokenizer = load_tokenizer(self.base_path)
+            self.base = AutoModelForCausalLM.from_pretrained(self.base_path, dtype=resolve_dtype(dtype, self.device))
         self.base.to(self.device)
         self.base.requires_grad_(False)
         dtype_bytes = next(self.base.parameters()).element_size()

@@ -30,3 +30,40 @@ def test_bad_devices_are_one_clear_error(name, msg):
 def test_cuda_asked_on_a_cpu_host():
     with pytest.raises(ValueError, match="torch sees no CUDA GPU"):
         resolve_device("cuda")
+
+
+def test_a_cpu_engine_loads_without_triton(tmp_path):
+    """In a fresh process (torch._dynamo not yet loaded): inside `without_triton("cpu")` triton cannot be
+    imported, after it it can again; a GPU device blocks nothing; and a CPU generate engine built from
+    scratch never loads triton, although transformers' model code imports torch._dynamo."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    from marlaas.base.tiny import init_model, save
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed here: nothing to keep out")
+    save(*init_model("test", seed=0), tmp_path / "base")
+    script = r"""
+import importlib.util, sys
+from marlaas.devices import without_triton
+with without_triton("cuda"):
+    assert sys.modules.get("triton", 0) is not None
+with without_triton("cpu"):
+    try:
+        import triton
+        raise SystemExit("triton imported inside the block")
+    except ImportError:
+        pass
+assert "triton" not in sys.modules and importlib.util.find_spec("triton") is not None
+assert "torch._dynamo" not in sys.modules, "torch._dynamo loaded before the engine: the test proves nothing"
+from marlaas.generate.hf import HFEngine
+eng = HFEngine(sys.argv[1], lambda ref: None)
+assert "torch._dynamo" in sys.modules
+print("triton loaded:", "triton" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "base")], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "triton loaded: False" in out.stdout

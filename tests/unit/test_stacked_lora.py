@@ -222,3 +222,32 @@ def test_an_adapter_with_nan_weights_reaches_only_its_own_rows():
     for i in range(len(rows)):
         if i not in mine:
             assert torch.allclose(got[i], ref[i], atol=1e-5), (i, rows[i])
+
+
+def test_static_kv_cache_generates_what_the_dynamic_one_does(tmp_path):
+    """The CPU default (a static KV cache per call, allocated at its final length) gives the tokens and
+    log-probs of transformers' growing cache: mixed adapters, left-padded prompts of several lengths,
+    greedy and seeded sampling, stop strings; and a call leaves no cache length behind for the next."""
+    from marlaas.adapters import blob_from_peft
+    from marlaas.base.tiny import init_model, save
+    from marlaas.generate.hf import HFEngine
+    from marlaas.types import AdapterRef, GenRequest
+
+    save(*init_model("test", seed=0), tmp_path / "base")
+    peft, tok, names = _peft_with_adapters([4, 8])
+    blobs = {AdapterRef("j", k + 1): blob_from_peft(peft, n) for k, n in enumerate(names)}
+    refs = [*blobs, None]
+    reqs = [GenRequest(key=str(i), prompt="rev:" + "1234567"[: 1 + i % 7] + "=", adapter=refs[i % 3], n=3,
+                       greedy=i % 2 == 0, temperature=0.9, seed=100 + i, max_new_tokens=4 + i % 5,
+                       stop=["9"] if i == 3 else [])
+            for i in range(8)]
+    engines = {kind: HFEngine(tmp_path / "base", blobs.__getitem__, kv_cache=kind) for kind in ("static", "dynamic")}
+    assert HFEngine(tmp_path / "base", blobs.__getitem__).kv_cache == "static"  # auto on the CPU
+    got, want = engines["static"].generate(reqs), engines["dynamic"].generate(reqs)
+    _assert_same(got, want, tol=1e-4)
+    assert any(c.token_ids for r in got for c in r.completions)
+    short = engines["static"].generate(reqs[:1])  # after longer calls: sized by its own prompt only
+    _assert_same(short, engines["dynamic"].generate(reqs[:1]), tol=1e-4)
+    assert getattr(engines["static"].model, "_previous_max_cache_length", None) is None
+    with pytest.raises(ValueError, match="kv_cache"):
+        HFEngine(tmp_path / "base", blobs.__getitem__, kv_cache="paged")
