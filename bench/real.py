@@ -174,7 +174,28 @@ def measure(store: Store, t0: float, t1: float, cpu0: dict[str, float], cpu1: di
             "busy_s": {s: round(union_length([(e["start"], e["end"]) for e in ev if e["station"] == s], t0, t1), 1)
                        for s in STATIONS},
             "work_s": work, "cpu_s": cpu, "ceiling_s": round(ceiling, 1), "wall_s": round(t1 - t0, 1),
-            "share_of_ceiling": round(ceiling / max(t1 - t0, 1e-9), 3)}
+            "share_of_ceiling": round(ceiling / max(t1 - t0, 1e-9), 3),
+            "peak_rss_rises": peak_rises(store.events(since=0), t0)}
+
+
+def peak_rises(events: list[dict], t0: float, min_mb: float = 5.0) -> dict[str, list[dict]]:
+    """Per worker, the tasks of [t0, ...) after which its process's peak RSS (the events'
+    `peak_rss_mb`) had risen by `min_mb` or more since its previous task: which work set each
+    process's peak. `at_s` is the task's end from t0; a worker's first task has `from_mb` None."""
+    last: dict[str, float] = {}
+    out: dict[str, list[dict]] = {}
+    for e in sorted(events, key=lambda e: e["end"]):
+        worker, peak = e.get("worker"), e.get("peak_rss_mb")
+        if worker is None or peak is None:
+            continue
+        prev = last.get(worker)
+        last[worker] = peak
+        if e["end"] >= t0 and (prev is None or peak - prev >= min_mb):
+            out.setdefault(worker, []).append(
+                {"at_s": round(e["end"] - t0, 1), "seconds": round(e["end"] - e["start"], 1), "station": e["station"],
+                 "from_mb": prev, "to_mb": peak,
+                 **{k: e[k] for k in ("kinds", "items", "tinker", "kind", "version") if k in e}})
+    return out
 
 
 def run_sync(client: Client, stack: Stack, tasks: list[str], a, save, threads: int) -> tuple[dict, float, dict]:

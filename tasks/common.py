@@ -76,12 +76,27 @@ def kick() -> None:
 
 @contextlib.contextmanager
 def station_event(station: str, jobs: list[str], **info):
-    """Record the task's busy interval for the station timeline and busy fractions."""
+    """Record the task's busy interval for the station timeline and busy fractions, with the worker
+    process's peak resident set so far (`peak_rss_mb`: the first task after which it rose is the one
+    that raised it)."""
     start = time.time()
     try:
         yield info
     finally:
-        store().record_event(station, start, time.time(), jobs, worker_name(), **info)
+        store().record_event(station, start, time.time(), jobs, worker_name(),
+                             **{**info, "peak_rss_mb": peak_rss_mb()})
+
+
+def peak_rss_mb() -> float | None:
+    """This process's peak resident set (Linux VmHWM) in MB; None where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def register_base(path, name: str | None = None) -> None:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 def call_token_budget(config, dtype_bytes: int, budget_bytes: float) -> int:
     """Row-tokens (rows x (padded prompt + new tokens)) one call may hold in `budget_bytes`: per
-    row-token twice its KV cache (keys and values of every layer; the cache's growth copies it) and
-    the prefill's MLP activations of one layer (three intermediate-size vectors)."""
+    row-token twice its KV cache (keys and values of every layer; transformers' growing cache copies
+    it at every token, the CPU engine's static one does not, so there that half is headroom) and the
+    prefill's MLP activations of one layer (three intermediate-size vectors)."""
     layers = int(getattr(config, "num_hidden_layers", 1) or 1)
     heads = int(getattr(config, "num_attention_heads", 1) or 1)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)

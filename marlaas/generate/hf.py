@@ -13,7 +13,9 @@ call's working memory (its KV cache, the prefill's activations) grows with rows 
 new tokens), so on the CPU one call holds at most `call_tokens` of them, by default what a third of
 the weights' bytes buy (`calls.call_token_budget`: a generate worker's peak stays near weights +
 libraries + a third of the weights, where a 200-prompt evaluation in one call took it to 3.5x the
-weights of SmolLM2-135M; half the weights' bytes took it to 2.39-2.58x, a third to 2.40x).
+weights of SmolLM2-135M; half the weights' bytes took it to 2.39-2.58x, a third to 2.40x). On the
+CPU each call gets a KV cache of its own final length (`kv_cache="static"`), allocated once, where
+transformers' default grows it by a copy per token (`kv_cache="dynamic"`, the GPU's default).
 Stops are per row (`_RowStops`, a transformers StoppingCriteria over each request's `StopMatcher`):
 a row ends at its own stop token ids and stop strings (multi-token strings on the decoded tail);
 only EOS marks a completion `finished`:

@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.real import peer_summary  # noqa: E402
+from bench.real import peak_rises, peer_summary  # noqa: E402
 from bench.trl_peer import percentiles  # noqa: E402
 
 pytestmark = pytest.mark.unit
@@ -36,3 +36,19 @@ def test_peer_summary_ratios_gaps_and_goals():
                            "async_at_0_85_of_ceiling": True}
     asy["b"]["final_acc"] = 0.18  # 6 points below TRL's 0.24
     assert not peer_summary(["a", "b"], sync, asy, trl, state)["goal"]["async_no_more_than_5_points_below_every_task"]
+
+
+def test_peak_rises_names_the_tasks_that_raised_each_workers_peak():
+    ev = [  # out of order on purpose; two workers; one event without the field (an older worker)
+        {"worker": "g1", "station": "generate", "start": 9.0, "end": 10.0, "peak_rss_mb": 1000.0, "kinds": ["eval"]},
+        {"worker": "g1", "station": "generate", "start": 1.0, "end": 2.0, "peak_rss_mb": 900.0, "kinds": ["gen"]},
+        {"worker": "g1", "station": "generate", "start": 11.0, "end": 12.0, "peak_rss_mb": 1003.0, "items": 4},
+        {"worker": "t", "station": "train", "start": 5.0, "end": 6.0, "peak_rss_mb": 800.0, "version": 3},
+        {"worker": "t", "station": "train", "start": 7.0, "end": 8.0},
+        {"worker": "t", "station": "train", "start": 13.0, "end": 14.0, "peak_rss_mb": 810.0, "version": 4},
+    ]
+    out = peak_rises(ev, t0=5.0)
+    # g1's first task (900 MB) ended before t0: it is the baseline, not a rise; +3 MB is under 5 MB
+    assert out["g1"] == [{"at_s": 5.0, "seconds": 1.0, "station": "generate", "from_mb": 900.0, "to_mb": 1000.0,
+                          "kinds": ["eval"]}]
+    assert [(r["from_mb"], r["to_mb"], r["version"]) for r in out["t"]] == [(None, 800.0, 3), (800.0, 810.0, 4)]
