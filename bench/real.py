@@ -194,7 +194,7 @@ def peak_rises(events: list[dict], t0: float, min_mb: float = 5.0) -> dict[str, 
             out.setdefault(worker, []).append(
                 {"at_s": round(e["end"] - t0, 1), "seconds": round(e["end"] - e["start"], 1), "station": e["station"],
                  "from_mb": prev, "to_mb": peak,
-                 **{k: e[k] for k in ("kinds", "items", "tinker", "kind", "version") if k in e}})
+                 **{k: e[k] for k in ("kinds", "items", "adapters", "tinker", "kind", "version") if k in e}})
     return out
 
 

@@ -48,9 +48,10 @@ def generate(batch_id: str, items: list[list]) -> dict:
     try:
         samples = take(tinker_store(), engine(), tinker_store().take_samples())
         with station_event("generate", [it.job for it in work], items=len(work), batch=batch_id,
-                           tinker=len(samples.requests), kinds=sorted({str(it.kind) for it in work})):
+                           tinker=len(samples.requests), kinds=sorted({str(it.kind) for it in work})) as ev:
             to_verify = run_generate_isolated(store(), engine(), work, get_settings().tool_url, samples,
                                               get_settings().serve_share)
+            ev["adapters"] = len(engine().loaded())  # adapter versions the engine holds after the task
         send(verify_messages(store(), to_verify))
     finally:
         store().end_gen_batch(batch_id)

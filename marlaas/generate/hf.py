@@ -1,7 +1,10 @@
 """transformers + PEFT generation engine (the CPU default: faster than vLLM's CPU LoRA path here).
 
 One resident base (float32 on the CPU, bfloat16 on a GPU: MARLAAS_DEVICE, MARLAAS_DTYPE) wrapped in
-a PeftModel that holds up to `max_adapters` adapter versions. A job's new version is written in
+a PeftModel that holds up to `max_adapters` adapter versions and, on the CPU, idle ones within
+`adapter_bytes` (default an eighth of the weights' bytes, at least 64 MiB: 6 rank-8 all-linear adapters on
+SmolLM2-135M; a finished job's adapter would otherwise stay resident until 64 had come and gone;
+a batch that needs more holds them all while it runs). A job's new version is written in
 place into the slot of its previous version (same LoRA shape), or once the cache is full into the
 least recently used slot, instead of PEFT's add/delete, whose cost grows with the adapters
 registered (`_ensure`; `load(ref)` loads one ahead of a call).
@@ -142,6 +145,7 @@ class HFEngine(GenerationEngine):
         max_lora_rank: int = 64,
         call_tokens: int | None | str = "auto",
         kv_cache: str = "auto",
+        adapter_bytes: int | None | str = "auto",
     ) -> None:
         from marlaas.devices import resolve_device, resolve_dtype, without_triton
 
@@ -177,9 +181,14 @@ class HFEngine(GenerationEngine):
         # grows it by a copy per token, whose freed sizes fragment a CPU heap (SmolLM2-135M's 200-prompt
         # evaluation peaked 1,230 MB dynamic, 1,148 MB static, as fast: bench/memory.py)
         self.kv_cache = ("static" if self.device.type == "cpu" else "dynamic") if kv_cache == "auto" else kv_cache
+        if adapter_bytes == "auto":  # the CPU's idle adapter slots within an eighth of the weights' bytes
+            weight_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
+            adapter_bytes = int(max(64 * 2**20, weight_bytes / 8)) if self.device.type == "cpu" else None
+        self.adapter_bytes = adapter_bytes
         self.peft = None  # PeftModel, created with the first adapter
         self._cache: OrderedDict[AdapterRef, str] = OrderedDict()
         self._shape: dict[str, str] = {}  # adapter name -> its LoRA config (JSON): slots are reused by shape
+        self._bytes: dict[str, int] = {}  # adapter name -> its weights' bytes
         self._lora_layers: dict | None = None  # module path -> LoraLayer, found once
         self._uid = itertools.count(1)
 
@@ -200,8 +209,8 @@ class HFEngine(GenerationEngine):
         """The registered name serving `ref`, loading it if needed. A new version takes over, in
         place, the slot of an older version of the same job (generation always samples with a
         job's newest version; an evaluation of the older one loads it again), else the least
-        recently used slot once the cache is full; `keep`, the refs the current batch uses, are
-        never taken over."""
+        recently used slot once the cache is full (`max_adapters`, or on the CPU its byte budget
+        `adapter_bytes`); `keep`, the refs the current batch uses, are never taken over."""
         if ref in self._cache:
             self._cache.move_to_end(ref)
             return self._cache[ref]
@@ -214,12 +223,14 @@ class HFEngine(GenerationEngine):
         shape = json.dumps(blob.config, sort_keys=True)
         older = next(((r, n) for r, n in self._cache.items()  # least recently used first
                       if r.job_id == ref.job_id and r.version < ref.version and r not in keep), None)
-        lru = next(iter(self._cache.items())) if len(self._cache) >= self.max_adapters else None
+        size = sum(t.numel() * t.element_size() for t in state.values())
+        lru = next(((r, n) for r, n in self._cache.items() if r not in keep), None) if self._full(size) else None
         for old_ref, old in [c for c in (older, lru) if c is not None]:
             if old_ref not in keep and self.reuse_slots and self._shape.get(old) == shape \
                     and self._overwrite(old, state):
                 del self._cache[old_ref]
                 self._cache[ref] = old
+                self._trim(keep | {ref})
                 return old
         name = safe_adapter_name(ref, next(self._uid))
         cfg = lora_config_from_dict(blob.config)
@@ -240,11 +251,27 @@ class HFEngine(GenerationEngine):
         self._lora_layers = None  # new targets may have added LoRA layers: found again when needed
         self._cache[ref] = name
         self._shape[name] = shape
-        while len(self._cache) > self.max_adapters:
-            _, old = self._cache.popitem(last=False)
+        self._bytes[name] = size
+        self._trim(keep | {ref})
+        return name
+
+    def _trim(self, keep: frozenset) -> None:
+        """Delete least recently used slots outside `keep` while the cache is past its count or byte
+        budget (a batch that needs more slots than the budget holds them until a later load trims)."""
+        while self._full():
+            victim = next((r for r in self._cache if r not in keep), None)
+            if victim is None:
+                return
+            old = self._cache.pop(victim)
             self.peft.delete_adapter(old)
             self._shape.pop(old, None)
-        return name
+            self._bytes.pop(old, None)
+
+    def _full(self, incoming: int = 0) -> bool:
+        """Whether the cache is past its count `max_adapters` or, on the CPU, its byte budget
+        `adapter_bytes`, with a new slot of `incoming` bytes added (0: as it is)."""
+        held, cap = sum(self._bytes.get(n, 0) for n in self._cache.values()), self.adapter_bytes
+        return len(self._cache) + (incoming > 0) > self.max_adapters or (cap is not None and held + incoming > cap)
 
     def _layers(self) -> dict:
         """Module path -> LoRA layer of the PeftModel, found once per set of targets (walking the

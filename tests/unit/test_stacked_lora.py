@@ -251,3 +251,35 @@ def test_static_kv_cache_generates_what_the_dynamic_one_does(tmp_path):
     assert getattr(engines["static"].model, "_previous_max_cache_length", None) is None
     with pytest.raises(ValueError, match="kv_cache"):
         HFEngine(tmp_path / "base", blobs.__getitem__, kv_cache="paged")
+
+
+def test_idle_adapter_slots_stay_within_the_byte_budget(tmp_path):
+    """With `adapter_bytes` = 2.5 slots: a third job's adapter takes over the least recently used idle
+    slot (no new PEFT adapter); a batch that needs three at once gets all three (outputs equal an
+    unbounded engine's), and the next new job takes over a slot again."""
+    from marlaas.adapters import blob_from_peft
+    from marlaas.base.tiny import init_model, save
+    from marlaas.generate.hf import HFEngine
+    from marlaas.types import AdapterRef
+
+    save(*init_model("test", seed=0), tmp_path / "base")
+    peft, tok, names = _peft_with_adapters([8, 8, 8, 8], uniform=True)
+    blobs = {AdapterRef(f"j{k}", 1): blob_from_peft(peft, n) for k, n in enumerate(names)}  # four jobs
+    v1, v2, v3, v4 = blobs
+    free = HFEngine(tmp_path / "base", blobs.__getitem__, adapter_bytes=None)
+    free.generate(_reqs([v1]))
+    slot = free._bytes[free._cache[v1]]
+    assert slot > 0
+    eng = HFEngine(tmp_path / "base", blobs.__getitem__, adapter_bytes=int(2.5 * slot))
+    eng.generate(_reqs([v1]))
+    eng.generate(_reqs([v2]))
+    slot_of_v1 = eng._cache[v1]
+    eng.generate(_reqs([v3]))  # a third slot would pass the budget: v3 takes over v1's (the LRU)
+    assert eng.loaded() == [v2, v3] and eng._cache[v3] == slot_of_v1 and len(eng.peft.peft_config) == 2
+    got = eng.generate(_reqs([v1, v2, v3, None]))  # the batch needs three: the budget yields to it
+    assert set(eng.loaded()) == {v1, v2, v3}
+    _assert_same(got, free.generate(_reqs([v1, v2, v3, None])))
+    eng.generate(_reqs([v4]))  # a new job takes over the LRU slot (v1's), and the budget trims v2's
+    assert eng.loaded() == [v3, v4] and len(eng.peft.peft_config) == 2
+    _assert_same(eng.generate(_reqs([v4, v3])), free.generate(_reqs([v4, v3])))
+    assert HFEngine(tmp_path / "base", blobs.__getitem__).adapter_bytes > 0  # auto: bounded on the CPU
