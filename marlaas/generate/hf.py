@@ -2,9 +2,9 @@
 
 One resident base (float32 on the CPU, bfloat16 on a GPU: MARLAAS_DEVICE, MARLAAS_DTYPE) wrapped in
 a PeftModel that holds up to `max_adapters` adapter versions and, on the CPU, idle ones within
-`adapter_bytes` (default an eighth of the weights' bytes, at least 64 MiB: 6 rank-8 all-linear adapters on
-SmolLM2-135M; a finished job's adapter would otherwise stay resident until 64 had come and gone;
-a batch that needs more holds them all while it runs). A job's new version is written in
+`adapter_bytes` (default an eighth of the weights' bytes, at least 64 MiB: 6 rank-8 all-linear
+adapters on SmolLM2-135M; a finished job's adapter would otherwise stay resident until 64 had come
+and gone; a batch that needs more holds them all while it runs). A job's new version is written in
 place into the slot of its previous version (same LoRA shape), or once the cache is full into the
 least recently used slot, instead of PEFT's add/delete, whose cost grows with the adapters
 registered (`_ensure`; `load(ref)` loads one ahead of a call).
@@ -178,8 +178,8 @@ class HFEngine(GenerationEngine):
         if kv_cache not in ("auto", "static", "dynamic"):
             raise ValueError(f"kv_cache must be 'auto', 'static' or 'dynamic', not {kv_cache!r}")
         # static: each call's KV cache allocated once at its final length; dynamic (transformers' default)
-        # grows it by a copy per token, whose freed sizes fragment a CPU heap (SmolLM2-135M's 200-prompt
-        # evaluation peaked 1,230 MB dynamic, 1,148 MB static, as fast: bench/memory.py)
+        # grows it by a copy per token, whose freed sizes fragment a CPU heap (SmolLM2-135M, four live jobs,
+        # side by side: 1,252 MB dynamic, 1,217 MB static, as fast: bench/memory.py --kv-cache)
         self.kv_cache = ("static" if self.device.type == "cpu" else "dynamic") if kv_cache == "auto" else kv_cache
         if adapter_bytes == "auto":  # the CPU's idle adapter slots within an eighth of the weights' bytes
             weight_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
