@@ -231,3 +231,26 @@ def eos_token_ids(tokenizer, generation_config=None) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return sorted(ids)
+
+
+class RowStops:
+    """A transformers StoppingCriteria: row i is done once its request's `StopMatcher` hits (stop token
+    ids, or a stop string on the decoded tail of the row's generated tokens). Rows without stops are
+    never checked."""
+
+    def __init__(self, matchers: list[StopMatcher], prompt_len: int):
+        self.matchers, self.prompt_len = matchers, prompt_len
+        self.rows = [i for i, m in enumerate(matchers) if m]
+        self.window = max([m.window for m in matchers] + [1])
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        gen = input_ids[:, self.prompt_len:]
+        if gen.shape[1] == 0:
+            return done
+        tails = gen[self.rows, -self.window:].tolist()
+        for i, tail in zip(self.rows, tails):
+            done[i] = self.matchers[i].hit(tail)
+        return done

@@ -19,7 +19,7 @@ libraries + a third of the weights, where a 200-prompt evaluation in one call to
 weights of SmolLM2-135M; half the weights' bytes took it to 2.39-2.58x, a third to 2.40x). On the
 CPU each call gets a KV cache of its own final length (`kv_cache="static"`), allocated once, where
 transformers' default grows it by a copy per token (`kv_cache="dynamic"`, the GPU's default).
-Stops are per row (`_RowStops`, a transformers StoppingCriteria over each request's `StopMatcher`):
+Stops are per row (`RowStops`, a transformers StoppingCriteria over each request's `StopMatcher`):
 a row ends at its own stop token ids and stop strings (multi-token strings on the decoded tail);
 only EOS marks a completion `finished`:
 
@@ -31,7 +31,7 @@ only EOS marks a completion `finished`:
   per LoRA layer (`marlaas.generate.stacked_lora`; figures in results/generation_engines.json);
 - mixed with `mixed_path="peft"` (or adapters the stacked path refuses, e.g. DoRA): PEFT's per-row
   `adapter_names` ("__base__" for base rows). peft 0.21.2 leaves its forward pre-hooks registered
-  when such a call raises, so every failure purges them (`_purge_row_hooks`).
+  when such a call raises, so every failure purges them (`purge_row_hooks`).
 
 Log-probs are `log_softmax` of the scores the sampler actually used (transformers' processed
 scores: logits / temperature when sampling, then the request's top-k / top-p, which set the cut
@@ -52,7 +52,6 @@ scores (`output_scores`, a [rows, vocab] tensor per step), which set a generate 
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 from collections import OrderedDict
@@ -64,6 +63,7 @@ from marlaas.generate.calls import call_plan, call_token_budget
 from marlaas.generate.engine import (
     AdapterSource,
     GenerationEngine,
+    RowStops,
     StopMatcher,
     check_rank,
     completion_end,
@@ -74,7 +74,7 @@ from marlaas.generate.engine import (
     validate_requests,
 )
 from marlaas.generate.sampling import GreedyLogprobs, RowSampler, row_seeds
-from marlaas.generate.stacked_lora import StackedLoRAUnsupported, base_only, stacked_lora
+from marlaas.generate.stacked_lora import StackedLoRAUnsupported, base_only, purge_row_hooks, stacked_lora
 from marlaas.types import AdapterRef, Completion, GenRequest, GenResult
 
 BASE = "__base__"
@@ -86,45 +86,6 @@ def _set_threads(n: int) -> None:
     # torch._C.set_num_threads, not torch.set_num_threads: vLLM's CPU worker replaces the latter with
     # a no-op in any process that started a vLLM engine.
     torch._C.set_num_threads(max(1, int(n)))
-
-
-def _purge_row_hooks(model) -> int:
-    """Remove PEFT's per-row `adapter_names` forward pre-hooks left behind by a failed call."""
-    from peft.tuners.lora import model as lora_model
-
-    target = getattr(lora_model, "_adapter_names_pre_forward_hook", None)
-    removed = 0
-    for module in model.modules():
-        hooks = module._forward_pre_hooks
-        for hid, hook in list(hooks.items()):
-            if isinstance(hook, functools.partial) and hook.func is target:
-                del hooks[hid]
-                module._forward_pre_hooks_with_kwargs.pop(hid, None)
-                removed += 1
-    return removed
-
-
-class _RowStops:
-    """A transformers StoppingCriteria: row i is done once its request's `StopMatcher` hits (stop token
-    ids, or a stop string on the decoded tail of the row's generated tokens). Rows without stops are
-    never checked."""
-
-    def __init__(self, matchers: list[StopMatcher], prompt_len: int):
-        self.matchers, self.prompt_len = matchers, prompt_len
-        self.rows = [i for i, m in enumerate(matchers) if m]
-        self.window = max([m.window for m in matchers] + [1])
-
-    def __call__(self, input_ids, scores, **kwargs):
-        import torch
-
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        gen = input_ids[:, self.prompt_len:]
-        if gen.shape[1] == 0:
-            return done
-        tails = gen[self.rows, -self.window:].tolist()
-        for i, tail in zip(self.rows, tails):
-            done[i] = self.matchers[i].hit(tail)
-        return done
 
 
 class HFEngine(GenerationEngine):
@@ -417,7 +378,7 @@ class HFEngine(GenerationEngine):
         if self.kv_cache == "static":  # this call's own: transformers' would keep the longest call's length
             kwargs["past_key_values"] = StaticCache(config=self.model.config, max_cache_len=width + max_new)
         if any(row_stops):
-            kwargs["stopping_criteria"] = StoppingCriteriaList([_RowStops(row_stops, width)])
+            kwargs["stopping_criteria"] = StoppingCriteriaList([RowStops(row_stops, width)])
         distinct = set(row_adapters)
 
         def call():
@@ -438,7 +399,7 @@ class HFEngine(GenerationEngine):
             try:
                 return self.peft.generate(**kwargs, adapter_names=row_adapters)
             except BaseException:
-                _purge_row_hooks(self.peft)
+                purge_row_hooks(self.peft)
                 raise
 
         with torch.inference_mode():

@@ -158,3 +158,19 @@ def stacked_lora(peft_model, row_adapters: list[str], base_name: str, layers: li
     finally:
         for h in hooks:
             h.remove()
+
+
+def purge_row_hooks(model) -> int:
+    """Remove PEFT's per-row `adapter_names` forward pre-hooks left behind by a failed call."""
+    from peft.tuners.lora import model as lora_model
+
+    target = getattr(lora_model, "_adapter_names_pre_forward_hook", None)
+    removed = 0
+    for module in model.modules():
+        hooks = module._forward_pre_hooks
+        for hid, hook in list(hooks.items()):
+            if isinstance(hook, partial) and hook.func is target:
+                del hooks[hid]
+                module._forward_pre_hooks_with_kwargs.pop(hid, None)
+                removed += 1
+    return removed

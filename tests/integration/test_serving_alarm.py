@@ -72,6 +72,10 @@ def test_a_grader_paying_for_restating_fires_the_alarm_and_honest_runs_do_not(wo
     hacked = client.submit({"dataset": train_rows, "eval_dataset": eval_rows, "grader": RESTATING, "steps": STEPS,
                             "eval_every": 6, "prompts_per_step": 8, "group_size": 8, "eval_k": 0,
                             "learning_rate": 1e-2, "seed": 1, "chat_template": False,
+                            # synchronous: which version sampled each step must not depend on the
+                            # machine's timing (with S = 1 a slower run took another trajectory, one
+                            # where the held-out answers were lost without the reward rising)
+                            "max_staleness": 0,
                             # full-size steps from the few groups that pay for restating early on: the
                             # hack must be learned within the run for the alarm to have a cause
                             "rl": {"drop_zero_advantage": True},
