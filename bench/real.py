@@ -39,6 +39,7 @@ workers' over their number, all over the cores), the shortest wall those CPU sec
 mode's share of it (1: no core ever idle that the work could have used).
 `peers.trl`: TRL's wall over (b)'s and over (a)'s, each task's final accuracy gap to TRL in points.
 `rss_over_weights`: every stack process's peak RSS over the base's safetensors bytes.
+`busy.<mode>.peak_rss_rises`: per worker, the tasks after which its peak RSS rose (station events carry it).
 The goal: >= 3 tasks rise >= 10 points over the base in both (a) and (b); mean |(a) - (b)| <= 5 points;
 speedup >= 1.3; against TRL: (b) >= 1.3x, (a) >= 0.9x, (b) within 5 points of TRL on every task, and
 (b) at >= 0.85 of the ceiling. The JSON (`--out`) is written after every phase; a PNG (`--png`) draws the held-out
