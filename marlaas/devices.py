@@ -77,5 +77,5 @@ def without_triton(device):
     try:
         yield
     finally:
-        if block and "triton" in sys.modules and sys.modules["triton"] is None:
+        if block and sys.modules.get("triton", 0) is None:  # still our marker, not a module loaded since
             del sys.modules["triton"]

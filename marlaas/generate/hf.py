@@ -130,8 +130,8 @@ class HFEngine(GenerationEngine):
         self.model.to(self.device)
         self.model.eval()
         self.eos_ids = eos_token_ids(self.tokenizer, self.model.generation_config)
+        weight_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
         if call_tokens == "auto":  # the CPU's calls within a third of the weights' bytes; a GPU's by rows only
-            weight_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
             dtype_bytes = next(self.model.parameters()).element_size()
             call_tokens = (call_token_budget(self.model.config, dtype_bytes, max(64 * 2**20, weight_bytes / 3))
                            if self.device.type == "cpu" else None)
@@ -143,7 +143,6 @@ class HFEngine(GenerationEngine):
         # side by side: 1,252 MB dynamic, 1,217 MB static, as fast: bench/memory.py --kv-cache)
         self.kv_cache = ("static" if self.device.type == "cpu" else "dynamic") if kv_cache == "auto" else kv_cache
         if adapter_bytes == "auto":  # the CPU's idle adapter slots within an eighth of the weights' bytes
-            weight_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
             adapter_bytes = int(max(64 * 2**20, weight_bytes / 8)) if self.device.type == "cpu" else None
         self.adapter_bytes = adapter_bytes
         self.peft = None  # PeftModel, created with the first adapter
