@@ -1,0 +1,140 @@
+"""Quality parity with TRL over several seeds of the same race (bench/real.py outputs).
+
+    .venv/bin/python bench/parity.py results/real_fair5.json results/real_fair7_seed1.json \\
+        results/real_fair9_seed2.json --out results/real_parity.json
+
+One race's final accuracies move by more than 5 points from seed to seed, TRL's included, so one seed
+cannot say whether marlaas learns as well as TRL. This reads several `bench/real.py` results that differ
+only in `--seed` (it refuses files whose sizes differ, or that repeat a seed) and writes, per task:
+
+- each mode's final held-out greedy accuracy on every seed and its mean over the seeds;
+- the gap, mode minus TRL, per seed (the seeds pair the runs: the same rows and the same held-out
+  prompts), its mean, its standard error over the seeds and a 95% t interval;
+- the noise floor: the widest spread of each mode's own finals across seeds (TRL against TRL), and the
+  standard error that the evaluation alone puts on one seed's gap (a binomial on `eval_size` prompts);
+- the verdicts: the mean gap within 5 points on every task, and the one-sided reading (the mean gap
+  no lower than -5 points on every task).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+MODES = ("sync", "async")
+# two-sided 95% quantiles of Student's t, by degrees of freedom (n seeds - 1)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+class ParityError(ValueError):
+    pass
+
+
+def seed_of(result: dict) -> int:
+    parts = result.get("command", "").split()
+    if "--seed" in parts and parts.index("--seed") + 1 < len(parts):
+        return int(parts[parts.index("--seed") + 1])
+    raise ParityError("a result has no --seed in its command; give bench/real.py outputs")
+
+
+def mean_se(xs: list[float]) -> tuple[float, float | None]:
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, None
+    var = sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+    return m, math.sqrt(var / len(xs))
+
+
+def eval_se_points(p: float, q: float, n: int) -> float:
+    """Standard error (points) of the difference of two accuracies, each measured on n prompts."""
+    return 100 * math.sqrt((p * (1 - p) + q * (1 - q)) / n)
+
+
+def parity(results: list[dict], limit: float = 5.0) -> dict:
+    if not results:
+        raise ParityError("give at least one bench/real.py result")
+    sizes = results[0]["sizes"]
+    seeds = [seed_of(r) for r in results]
+    if len(set(seeds)) != len(seeds):
+        raise ParityError(f"seeds repeat: {seeds}; each result must be a different seed")
+    for r, s in zip(results, seeds):
+        if r["sizes"] != sizes:
+            diff = sorted(k for k in set(sizes) | set(r["sizes"]) if sizes.get(k) != r["sizes"].get(k))
+            raise ParityError(f"seed {s} ran with other sizes ({', '.join(diff)}); compare like with like")
+    tasks = [t for t in results[0]["tasks"] if all(t in r["tasks"] for r in results)]
+    n_eval = int(sizes["eval_size"])
+    out: dict = {"seeds": seeds, "sizes": sizes, "limit_points": limit, "tasks": {}}
+    for t in tasks:
+        per = [r["tasks"][t] for r in results]
+        if not all("trl" in p and p["trl"].get("final_acc") is not None for p in per):
+            raise ParityError(f"task {t}: a seed has no TRL final; run bench/real.py with --modes ...,trl")
+        rec: dict = {"final": {}, "mean_final": {}, "spread_points": {}}
+        for mode in (*MODES, "trl"):
+            finals = [p[mode]["final_acc"] for p in per if mode in p and p[mode].get("final_acc") is not None]
+            if len(finals) != len(per):
+                continue
+            rec["final"][mode] = finals
+            rec["mean_final"][mode] = round(sum(finals) / len(finals), 4)
+            rec["spread_points"][mode] = round(100 * (max(finals) - min(finals)), 1)
+        for mode in MODES:
+            if mode not in rec["final"]:
+                continue
+            gaps = [100 * (a - b) for a, b in zip(rec["final"][mode], rec["final"]["trl"])]
+            m, se = mean_se(gaps)
+            g: dict = {"per_seed": [round(x, 1) for x in gaps], "mean": round(m, 2),
+                       "se": None if se is None else round(se, 2)}
+            if se is not None and len(gaps) - 1 in T95:
+                h = T95[len(gaps) - 1] * se
+                g["ci95"] = [round(m - h, 1), round(m + h, 1)]
+            g["eval_se_per_seed"] = [round(eval_se_points(a, b, n_eval), 1)
+                                     for a, b in zip(rec["final"][mode], rec["final"]["trl"])]
+            rec[f"{mode}_minus_trl_points"] = g
+        out["tasks"][t] = rec
+    for mode in MODES:
+        key = f"{mode}_minus_trl_points"
+        means = {t: rec[key]["mean"] for t, rec in out["tasks"].items() if key in rec}
+        if means:
+            out[f"{mode}_goal"] = {
+                "mean_within_limit_every_task": all(abs(x) <= limit for x in means.values()),
+                "mean_no_lower_than_minus_limit_every_task": all(x >= -limit for x in means.values()),
+                "mean_gap_over_tasks": round(sum(means.values()) / len(means), 2),
+            }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="+", type=Path, help="bench/real.py outputs, one per seed")
+    ap.add_argument("--limit", type=float, default=5.0, help="parity bound in points (default 5)")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    try:
+        loaded = []
+        for p in a.results:
+            try:
+                loaded.append(json.loads(p.read_text()))
+            except (OSError, json.JSONDecodeError) as e:
+                raise ParityError(f"{p}: cannot read it as JSON ({e})") from None
+        out = parity(loaded, a.limit)
+    except (ParityError, KeyError) as e:
+        sys.exit(f"bench/parity.py: {e}")
+    out = {"command": " ".join([".venv/bin/python bench/parity.py", *sys.argv[1:]]),
+           "date": time.strftime("%Y-%m-%d %H:%M"), "inputs": [str(p) for p in a.results], **out}
+    for t, rec in out["tasks"].items():
+        line = "  ".join(f"{m} {rec['mean_final'][m]:.3f}" for m in rec["mean_final"])
+        gap = rec.get("async_minus_trl_points", {})
+        print(f"{t:18s} {line}  async-trl {gap.get('mean')} (ci95 {gap.get('ci95')}, per seed {gap.get('per_seed')})")
+    for mode in MODES:
+        if f"{mode}_goal" in out:
+            print(mode, out[f"{mode}_goal"])
+    if a.out:
+        a.out.write_text(json.dumps(out, indent=1) + "\n")
+        print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()
