@@ -11,7 +11,7 @@ default) and just in time from 2 jobs training on (jit 2), on three deployments 
 - `cpu_tiny`: the CPU machine's Procfile on the tiny model (fitted to results/throughput.json).
 Per cell: the makespan, the speedup over sequential synchronous (one tenant after another at
 staleness 0; the same for both settings) and the histogram of trained staleness.
-The real-model measurement of the same setting is bench/real.py (`--jit-jobs 2`, results/real.json).
+The real-model measurement of the same setting is bench/real.py (`--jit-jobs 2`, results/real_2026-12-04.json).
 """
 
 from __future__ import annotations
