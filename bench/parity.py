@@ -1,7 +1,8 @@
 """Quality parity with TRL over several seeds of the same race (bench/real.py outputs).
 
     .venv/bin/python bench/parity.py results/real_fair5.json results/real_fair7_seed1.json \\
-        results/real.json results/real_fair10_seed3.json --out results/real_parity.json
+        results/real.json results/real_fair10_seed3.json results/real_fair11_seed4.json \\
+        --out results/real_parity.json
 
 One race's final accuracies move by more than 5 points from seed to seed, TRL's included, so one seed
 cannot say whether marlaas learns as well as TRL. This reads several `bench/real.py` results that differ

@@ -10,10 +10,13 @@ entry from seed + index -- reasoning-gym entries are a pure function of the data
 and index -- and refuses with an error when the re-created question differs from the stored one (a
 different reasoning-gym version). Rows are deterministic per (name, config, seed).
 
-Train and held-out sets are disjoint (`make_split`): train rows use the job's seed, held-out rows
-use `seed + HELDOUT_SEED_OFFSET` (1_000_003), and a held-out row whose question is also a train
-question (small configs repeat questions) is dropped and replaced by the next index, so the
-held-out set is never scored on a question the job trained on. Held-out questions are also unique.
+Train and held-out sets are disjoint (`make_split`): train rows come from the dataset seeded
+`dataset_seed(job seed, "train")`, held-out rows from `dataset_seed(job seed, "held")`, and a
+held-out row whose question is also a train question (small configs repeat questions) is dropped
+and replaced by the next index, so the held-out set is never scored on a question the job trained
+on. Held-out questions are also unique. A job's seed is hashed into the dataset's seed because
+reasoning-gym draws item i from `Random(dataset seed + i)`: with the job's seed used as is, jobs
+seeded s and s + 1 got the same rows shifted by one place (all but one of 120 train rows shared).
 
 Scoring (`score`). The prompt ends with FORMAT_INSTRUCTION ("Give only the final answer."); the
 answer is extracted as: the last `<answer>...</answer>` when the completion has one (the
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
 import json
 from typing import Any
 
@@ -53,7 +57,6 @@ from marlaas.verify.answers import answers_match, extract_answer_rule, numbers_i
 
 PREFIX = "reasoning_gym:"
 FORMAT_INSTRUCTION = "Give only the final answer."
-HELDOUT_SEED_OFFSET = 1_000_003
 _RESERVED = ("seed", "size")
 _MAX_SCAN = 50  # held-out: scan at most this many indices per wanted row before giving up
 
@@ -170,11 +173,20 @@ def _questions(name: str, config: dict, seed: int, n: int) -> set[str]:
     return {ds[i]["question"] for i in range(n)}
 
 
+def dataset_seed(seed: int, part: str) -> int:
+    """The reasoning-gym dataset seed of a job seeded `seed` for `part` ("train" or "held"): a hash,
+    so neighbouring job seeds draw unrelated items (item i is `Random(dataset seed + i)`); below
+    2**31, so dataset seed + index stays within numpy's 32-bit seeds (pool_matrix seeds numpy)."""
+    digest = hashlib.sha256(f"marlaas-rg:{part}:{int(seed)}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") >> 1
+
+
 def make_split(name: str, config: dict, seed: int, n_train: int, n_held: int) -> tuple[list[dict], list[dict]]:
-    """(train, held-out): disjoint by seed (`seed` vs `seed + HELDOUT_SEED_OFFSET`) and by question text."""
+    """(train, held-out) of a job seeded `seed`: disjoint by dataset seed (`dataset_seed(seed, "train")`
+    vs `dataset_seed(seed, "held")`) and by question text."""
+    seed, held_seed = dataset_seed(seed, "train"), dataset_seed(seed, "held")
     train = make_rows(name, config, seed, n_train)
     seen = _questions(name, config, seed, n_train)
-    held_seed = seed + HELDOUT_SEED_OFFSET
     scan = max(n_held * _MAX_SCAN, 1)
     ds = _dataset(name, _config_json(config), held_seed, scan)
     held: list[dict] = []
