@@ -16,7 +16,7 @@ held-out row whose question is also a train question (small configs repeat quest
 and replaced by the next index, so the held-out set is never scored on a question the job trained
 on. Held-out questions are also unique. A job's seed is hashed into the dataset's seed because
 reasoning-gym draws item i from `Random(dataset seed + i)`: with the job's seed used as is, jobs
-seeded s and s + 1 got the same rows shifted by one place (all but one of 120 train rows shared).
+seeded s and s + 1 got the same rows shifted by one place.
 
 Scoring (`score`). The prompt ends with FORMAT_INSTRUCTION ("Give only the final answer."); the
 answer is extracted as: the last `<answer>...</answer>` when the completion has one (the
