@@ -184,9 +184,9 @@ def dataset_seed(seed: int, part: str) -> int:
 def make_split(name: str, config: dict, seed: int, n_train: int, n_held: int) -> tuple[list[dict], list[dict]]:
     """(train, held-out) of a job seeded `seed`: disjoint by dataset seed (`dataset_seed(seed, "train")`
     vs `dataset_seed(seed, "held")`) and by question text."""
-    seed, held_seed = dataset_seed(seed, "train"), dataset_seed(seed, "held")
-    train = make_rows(name, config, seed, n_train)
-    seen = _questions(name, config, seed, n_train)
+    train_seed, held_seed = dataset_seed(seed, "train"), dataset_seed(seed, "held")
+    train = make_rows(name, config, train_seed, n_train)
+    seen = _questions(name, config, train_seed, n_train)
     scan = max(n_held * _MAX_SCAN, 1)
     ds = _dataset(name, _config_json(config), held_seed, scan)
     held: list[dict] = []
