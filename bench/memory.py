@@ -18,6 +18,11 @@ bench/real.py does) and reads its resident set after each stage: the peak of tha
             cache, the others reload from the state they published, as the train station does):
     .venv/bin/python bench/memory.py --stations train --train-jobs 4 --train-rounds 6 \\
         --train-cache 1 --out results/memory_jobs_cache1.json      (and 8, memory_jobs_cache8.json)
+A generate worker serving live jobs (`--gen-adapters N --gen-rounds R`); with `--gen-waves W`, W
+waves of N new jobs one after another (a worker that outlives its jobs: the earlier waves' adapters
+stay in its idle slots, within `--adapter-mb`, the engine's slot budget):
+    .venv/bin/python bench/memory.py --stations generate --gen-adapters 4 --gen-rounds 2 --gen-waves 2 \\
+        --adapter-mb auto --out results/memory_generate_waves_auto.json      (and 32, ..._waves_32.json)
 Every figure is also given over the base's weight bytes (the float32 safetensors files): the
 target is a peak <= 2.5x the weights per generate and train process.
 """
@@ -96,8 +101,9 @@ def station_generate(base: Path, a) -> list[dict]:
     def source(ref):  # every version of adapter k: the random LoRA the parent wrote for it
         return read_adapter_dir(a.adapters / ref.job_id)
 
+    adapter_bytes = a.adapter_mb if a.adapter_mb == "auto" else int(float(a.adapter_mb) * 2**20)
     eng = st.run("load", lambda: HFEngine(base, source, threads=1, max_rows_per_call=a.rows_per_call,
-                                          call_tokens=call_tokens, kv_cache=a.kv_cache))
+                                          call_tokens=call_tokens, kv_cache=a.kv_cache, adapter_bytes=adapter_bytes))
     ev = _prompts(eng.tokenizer, a.eval_rows, 1)
     reqs = [GenRequest(key=f"e{i}", prompt=p, adapter=None, greedy=True, max_new_tokens=a.max_new)
             for i, p in enumerate(ev)]
@@ -106,25 +112,29 @@ def station_generate(base: Path, a) -> list[dict]:
     reqs = [GenRequest(key=f"s{i}", prompt=p, adapter=None, n=4, seed=i, temperature=1.0,
                        max_new_tokens=a.max_new) for i, p in enumerate(tr)]
     st.run(f"sampled step (4 prompts x 4 rows x {a.max_new} tokens)", lambda: eng.generate(reqs))
-    if a.gen_adapters:
-        st.run(f"{a.gen_rounds} rounds of {a.gen_adapters} adapters' steps in one mixed call, a new version each "
+    for w in range(a.gen_waves if a.gen_adapters else 0):
+        jobs = range(w * a.gen_adapters, (w + 1) * a.gen_adapters)
+        st.run(("" if a.gen_waves == 1 else f"wave {w + 1} of {a.gen_waves} (jobs a{jobs[0]}-a{jobs[-1]}): ")
+               + f"{a.gen_rounds} rounds of {a.gen_adapters} adapters' steps in one mixed call, a new version each "
                f"round; then a greedy evaluation of {a.eval_rows} prompts on each adapter",
-               lambda: _adapter_rounds(eng, a, ev))
-    return {"stages": st.rows, "call_tokens": eng.call_tokens}
+               lambda jobs=jobs: _adapter_rounds(eng, a, ev, jobs))
+        st.rows[-1]["adapters_held"] = len(eng.loaded())
+    return {"stages": st.rows, "call_tokens": eng.call_tokens, "adapter_bytes": eng.adapter_bytes}
 
 
-def _adapter_rounds(eng, a, ev: list[str]) -> None:
-    """A generate worker serving `--gen-adapters` live jobs, as in bench/real.py's (b): each round one
-    call mixes every job's step (4 prompts x 4 sampled rows on its newest adapter version, which the
-    engine writes into its previous version's slot), then each job's held-out evaluation."""
+def _adapter_rounds(eng, a, ev: list[str], jobs: range) -> None:
+    """A generate worker serving live jobs `jobs` (one adapter each), as in bench/real.py's (b): each
+    round one call mixes every job's step (4 prompts x 4 sampled rows on its newest adapter version,
+    which the engine writes into its previous version's slot), then each job's held-out evaluation.
+    A later wave's jobs find the earlier waves' finished adapters in the engine's idle slots."""
     from marlaas.types import AdapterRef, GenRequest
 
     prompts = _prompts(eng.tokenizer, 64, 3)
     for r in range(a.gen_rounds):
         eng.generate([GenRequest(key=f"a{k}s{i}", prompt=prompts[(4 * (r + k) + i) % 64],
                                  adapter=AdapterRef(f"a{k}", r), n=4, seed=i, temperature=1.0,
-                                 max_new_tokens=a.max_new) for k in range(a.gen_adapters) for i in range(4)])
-    for k in range(a.gen_adapters):
+                                 max_new_tokens=a.max_new) for k in jobs for i in range(4)])
+    for k in jobs:
         eng.generate([GenRequest(key=f"a{k}e{i}", prompt=p, adapter=AdapterRef(f"a{k}", a.gen_rounds), greedy=True,
                                  max_new_tokens=a.max_new) for i, p in enumerate(ev)])
 
@@ -254,6 +264,10 @@ def main() -> None:
     ap.add_argument("--gen-adapters", type=int, default=0,
                     help="live jobs the generate worker's last stage serves, one adapter each (0: no such stage)")
     ap.add_argument("--gen-rounds", type=int, default=6, help="mixed steps of the --gen-adapters jobs")
+    ap.add_argument("--gen-waves", type=int, default=1,
+                    help="waves of --gen-adapters new jobs, one after another (a worker that outlives its jobs)")
+    ap.add_argument("--adapter-mb", default="auto",
+                    help="the generate engine's idle adapter slots' budget: auto (its default) or MiB")
     ap.add_argument("--adapters", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--station", choices=("generate", "train"), help=argparse.SUPPRESS)  # the child's part
     ap.add_argument("--base", type=Path, help=argparse.SUPPRESS)
@@ -273,7 +287,7 @@ def main() -> None:
     stations = {}
     adapters = Path(tempfile.mkdtemp(prefix="memory-adapters-"))
     if a.gen_adapters and "generate" in a.stations.split(","):
-        _write_adapters(base, a.gen_adapters, adapters)
+        _write_adapters(base, a.gen_adapters * a.gen_waves, adapters)
     try:
         for name in a.stations.split(","):
             print(f"{name}:", file=sys.stderr, flush=True)
@@ -284,6 +298,7 @@ def main() -> None:
                                 "--train-jobs", str(a.train_jobs), "--train-rounds", str(a.train_rounds),
                                 "--train-cache", a.train_cache, "--adapters", str(adapters),
                                 "--gen-adapters", str(a.gen_adapters), "--gen-rounds", str(a.gen_rounds),
+                                "--gen-waves", str(a.gen_waves), "--adapter-mb", a.adapter_mb,
                                 "--recompute", "on" if a.recompute else "off",
                                 *(["--checkpointing"] if a.checkpointing else [])], capture_output=True, text=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -304,6 +319,8 @@ def main() -> None:
            + f" --activation-mb {a.activation_mb} --stations {a.stations}"
            + (" --checkpointing" if a.checkpointing else "") + ("" if a.recompute else " --recompute off")
            + (f" --gen-adapters {a.gen_adapters} --gen-rounds {a.gen_rounds}" if a.gen_adapters else "")
+           + (f" --gen-waves {a.gen_waves}" if a.gen_adapters and a.gen_waves != 1 else "")
+           + ("" if a.adapter_mb == "auto" else f" --adapter-mb {a.adapter_mb}")
            + (f" --train-jobs {a.train_jobs} --train-rounds {a.train_rounds} --train-cache {a.train_cache}"
               if a.train_rounds else "")
            + (f" --out {a.out}" if a.out else ""))
