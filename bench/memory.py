@@ -238,6 +238,22 @@ def _on_off(v: str) -> bool:
     return v == "on"
 
 
+def _positive_int(v: str) -> int:
+    if not v.isdigit() or int(v) < 1:
+        raise argparse.ArgumentTypeError(f"{v!r}: give a whole number of at least 1")
+    return int(v)
+
+
+def _auto_or_mib(v: str) -> str:
+    try:
+        ok = v == "auto" or 0 < float(v) < float("inf")
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{v!r}: give auto or a number of MiB above 0")
+    return v
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
@@ -264,9 +280,9 @@ def main() -> None:
     ap.add_argument("--gen-adapters", type=int, default=0,
                     help="live jobs the generate worker's last stage serves, one adapter each (0: no such stage)")
     ap.add_argument("--gen-rounds", type=int, default=6, help="mixed steps of the --gen-adapters jobs")
-    ap.add_argument("--gen-waves", type=int, default=1,
+    ap.add_argument("--gen-waves", type=_positive_int, default=1,
                     help="waves of --gen-adapters new jobs, one after another (a worker that outlives its jobs)")
-    ap.add_argument("--adapter-mb", default="auto",
+    ap.add_argument("--adapter-mb", type=_auto_or_mib, default="auto",
                     help="the generate engine's idle adapter slots' budget: auto (its default) or MiB")
     ap.add_argument("--adapters", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--station", choices=("generate", "train"), help=argparse.SUPPRESS)  # the child's part
