@@ -15,6 +15,14 @@ only in `--seed` (it refuses files whose sizes differ, or that repeat a seed) an
   standard error that the evaluation alone puts on one seed's gap (a binomial on `eval_size` prompts);
 - the verdicts: the mean gap within 5 points on every task, and the one-sided reading (the mean gap
   no lower than -5 points on every task).
+
+`--repeat A.json B.json`: two runs of one seed (the same rows and held-out prompts) whose TRL drew
+with different seeds (`bench/real.py --trl-seed-offset`): per task and per mode that both ran, the
+first's final minus the second's, and whether every task's gap is within the limit. TRL against
+itself is the noise floor of one race's "within 5 points of TRL on every task".
+
+    .venv/bin/python bench/parity.py --repeat results/real_fair13_seed6.json \\
+        results/real_trl_repeat_seed6.json --out results/real_trl_repeat_seed6_gaps.json
 """
 
 from __future__ import annotations
@@ -107,24 +115,71 @@ def parity(results: list[dict], limit: float = 5.0) -> dict:
     return out
 
 
+def repeat(a: dict, b: dict, limit: float = 5.0) -> dict:
+    """Per task and per mode both runs have, a's final minus b's (points): two runs of one seed and
+    sizes, their TRL drawn with different seeds."""
+    sa, sb = seed_of(a), seed_of(b)
+    if sa != sb:
+        raise ParityError(f"--repeat compares two runs of one seed (the same rows), got seeds {sa} and {sb}")
+    if a["sizes"] != b["sizes"]:
+        diff = sorted(k for k in set(a["sizes"]) | set(b["sizes"]) if a["sizes"].get(k) != b["sizes"].get(k))
+        raise ParityError(f"the two runs differ in sizes ({', '.join(diff)}); compare like with like")
+    oa, ob = a.get("trl_seed_offset", 0), b.get("trl_seed_offset", 0)
+    if oa == ob:
+        raise ParityError(f"both runs drew TRL with seed offset {oa}: the same draws, not a repeat")
+    out: dict = {"seed": sa, "trl_seed_offsets": [oa, ob], "limit_points": limit, "tasks": {}, "modes": {}}
+    for t in a["tasks"]:
+        if t not in b["tasks"]:
+            continue
+        rec = {}
+        for mode in (*MODES, "trl"):
+            fa = a["tasks"][t].get(mode, {}).get("final_acc")
+            fb = b["tasks"][t].get(mode, {}).get("final_acc")
+            if fa is not None and fb is not None:
+                rec[mode] = {"finals": [fa, fb], "gap_points": round(100 * (fa - fb), 1)}
+        out["tasks"][t] = rec
+    for mode in (*MODES, "trl"):
+        gaps = {t: r[mode]["gap_points"] for t, r in out["tasks"].items() if mode in r}
+        if gaps:
+            out["modes"][mode] = {"gaps_points": gaps, "max_abs_gap_points": max(abs(g) for g in gaps.values()),
+                                  "every_task_within_limit": all(abs(g) <= limit for g in gaps.values())}
+    if not out["modes"]:
+        raise ParityError("the two runs share no task and mode with a final accuracy")
+    return out
+
+
+def _load(p: Path) -> dict:
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ParityError(f"{p}: cannot read it as JSON ({e})") from None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+", type=Path, help="bench/real.py outputs, one per seed")
     ap.add_argument("--limit", type=float, default=5.0, help="parity bound in points (default 5)")
+    ap.add_argument("--repeat", action="store_true",
+                    help="two runs of one seed whose TRL drew with different seeds: each task's gap, run 1 - run 2")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    if a.repeat and len(a.results) != 2:
+        ap.error(f"--repeat compares two runs, got {len(a.results)}")
     try:
-        loaded = []
-        for p in a.results:
-            try:
-                loaded.append(json.loads(p.read_text()))
-            except (OSError, json.JSONDecodeError) as e:
-                raise ParityError(f"{p}: cannot read it as JSON ({e})") from None
-        out = parity(loaded, a.limit)
+        loaded = [_load(p) for p in a.results]
+        out = repeat(*loaded, a.limit) if a.repeat else parity(loaded, a.limit)
     except (ParityError, KeyError) as e:
         sys.exit(f"bench/parity.py: {e}")
     out = {"command": " ".join([".venv/bin/python bench/parity.py", *sys.argv[1:]]),
            "date": time.strftime("%Y-%m-%d %H:%M"), "inputs": [str(p) for p in a.results], **out}
+    if a.repeat:
+        for mode, m in out["modes"].items():
+            print(f"{mode}: run 1 - run 2 per task {m['gaps_points']}, every task within {a.limit}: "
+                  f"{m['every_task_within_limit']}")
+        if a.out:
+            a.out.write_text(json.dumps(out, indent=1) + "\n")
+            print("wrote", a.out)
+        return
     for t, rec in out["tasks"].items():
         line = "  ".join(f"{m} {rec['mean_final'][m]:.3f}" for m in rec["mean_final"])
         gap = rec.get("async_minus_trl_points", {})

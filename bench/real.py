@@ -21,7 +21,10 @@ the Procfile lines (hf engine, MARLAAS_THREADS=1):
              (greedy, cut at the first EOS, full reward), its wall = both evaluations + training;
              TRL's defaults otherwise, except gradient checkpointing off (10% faster here: memory is
              not short);
-with the same seeds, steps, sizes and held-out sets. `--modes` picks any of them.
+with the same seeds, steps, sizes and held-out sets. `--modes` picks any of them. `--trl-seed-offset K`
+gives TRL the seed + K for its draws and its LoRA's initial weights, on the same rows and held-out
+prompts: TRL against itself on a race's rows, the noise floor of one race's per-task gap
+(`bench/parity.py --repeat`).
 Per task: the reasoning-gym config, the held-out
 greedy accuracy (pass@1 on `--eval-size` prompts, eval_every 0, eval_k 0) at version 0 (the base) and
 at the final version in each mode, the rise in points, the reward curve and the staleness histogram.
@@ -272,9 +275,11 @@ def run_trl(base: Path, tasks: list[str], a, save) -> tuple[dict, float]:
     out = {}
     for i, task in enumerate(tasks):
         spec = task_spec(task, i, a, 0, "trl")
-        train, held = job_rows(spec)
-        rec = train_rows(base, tok, spec, render_chat(train, tok), render_chat(held, tok), work,
+        train, held = job_rows(spec)  # the rows of the job's own seed, whatever TRL draws with
+        drawn = spec.model_copy(update={"seed": spec.seed + (a.trl_seed_offset or 0)})
+        rec = train_rows(base, tok, drawn, render_chat(train, tok), render_chat(held, tok), work,
                          gradient_checkpointing=False)  # TRL's default (on) was 10% slower here
+        rec["seed"] = drawn.seed
         rec["samples_per_s"] = round(spec.steps * spec.prompts_per_step * spec.group_size / rec["wall_s"], 3)
         rec["torch_threads"] = torch.get_num_threads()
         out[task] = rec
@@ -482,6 +487,16 @@ def jit_setting(text: str) -> int | str:
     return n
 
 
+def _non_negative(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {n}")
+    return n
+
+
 def _true_false(text: str) -> bool:
     if text.lower() not in ("true", "false"):
         raise argparse.ArgumentTypeError(f"{text!r}: give true or false")
@@ -505,6 +520,10 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--staleness", type=int, default=2, help="max_staleness of the async mode (b)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trl-seed-offset", type=_non_negative, default=None,
+                    help="TRL's seed (its samples and its LoRA's initial weights) = the job's seed + this, on "
+                         "the same rows and held-out prompts (the job's seed makes them): with --modes trl, "
+                         "TRL against itself on another race's rows (bench/parity.py --repeat)")
     ap.add_argument("--drop-zero-advantage", type=_true_false, default=None,
                     help="marlaas jobs' rl.drop_zero_advantage (true|false; default: the spec's default)")
     ap.add_argument("--modes", default="sync,async,trl",
@@ -575,6 +594,7 @@ def main() -> None:
                       "threads_per_process": 1, "sync_train_threads": a.sync_train_threads,
                       "generate_workers": a.generate_workers,
                       "gen_jit_jobs": a.jit_jobs},
+            "trl_seed_offset": a.trl_seed_offset or 0,
             "tasks": {},
             "sync_wall_s": state["sync_wall_s"],
             "async_wall_s": state["async_wall_s"],

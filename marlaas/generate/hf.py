@@ -13,10 +13,13 @@ Requests are grouped by (temperature, max_new_tokens, greedy, top_k, top_p); eac
 tokenized, repeated `n` times, left-padded), split into several calls of whole requests where it
 would pass `max_rows_per_call` rows or the call's token budget (`marlaas.generate.calls`): a
 call's working memory (its KV cache, the prefill's activations) grows with rows x (padded prompt +
-new tokens), so on the CPU one call holds at most `call_tokens` of them, by default what a third of
-the weights' bytes buy (`calls.call_token_budget`: a generate worker's peak stays near weights +
-libraries + a third of the weights, where a 200-prompt evaluation in one call took it to 3.5x the
-weights of SmolLM2-135M; half the weights' bytes took it to 2.39-2.58x, a third to 2.40x). On the
+new tokens), so on the CPU one call holds at most `call_tokens` of them, by default what a quarter
+of the weights' bytes buy (`calls.call_token_budget`: a generate worker's peak stays near weights +
+libraries + adapters + a quarter of the weights, where a 200-prompt evaluation in one call took it
+to 3.5x the weights of SmolLM2-135M; half the weights' bytes took it to 2.39-2.58x, a third to
+2.40x alone and up to 2.54x in a worker serving four live jobs; a quarter's calls peak 36-39 MB
+lower than a third's, for an evaluation 6-16% longer). The peak of a call is its prefill (one new
+token peaks as high as twelve): the KV cache and one layer's activations over every row-token. On the
 CPU each call gets a KV cache of its own final length (`kv_cache="static"`), allocated once, where
 transformers' default grows it by a copy per token (`kv_cache="dynamic"`, the GPU's default).
 Stops are per row (`RowStops`, a transformers StoppingCriteria over each request's `StopMatcher`):
@@ -131,9 +134,9 @@ class HFEngine(GenerationEngine):
         self.model.eval()
         self.eos_ids = eos_token_ids(self.tokenizer, self.model.generation_config)
         weight_bytes = sum(t.numel() * t.element_size() for t in self.model.parameters())
-        if call_tokens == "auto":  # the CPU's calls within a third of the weights' bytes; a GPU's by rows only
+        if call_tokens == "auto":  # the CPU's calls within a quarter of the weights' bytes; a GPU's by rows only
             dtype_bytes = next(self.model.parameters()).element_size()
-            call_tokens = (call_token_budget(self.model.config, dtype_bytes, max(64 * 2**20, weight_bytes / 3))
+            call_tokens = (call_token_budget(self.model.config, dtype_bytes, max(64 * 2**20, weight_bytes / 4))
                            if self.device.type == "cpu" else None)
         self.call_tokens = call_tokens
         if kv_cache not in ("auto", "static", "dynamic"):

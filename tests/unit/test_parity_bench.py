@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.parity import ParityError, parity  # noqa: E402
+from bench.parity import ParityError, parity, repeat  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -59,3 +59,29 @@ def test_refuses_mixed_sizes_repeated_seeds_and_missing_trl():
         parity([race(0, {"a": (0.3, 0.2)}), no_trl])
     with pytest.raises(ParityError, match="no --seed"):
         parity([{"command": "x", "sizes": SIZES, "tasks": {}}])
+
+
+def test_repeat_gives_each_tasks_gap_between_two_draws_of_one_seed():
+    a = race(6, {"a": (0.30, 0.25), "b": (0.10, 0.20)})
+    b = race(6, {"a": (0.28, 0.32), "b": (0.12, 0.17)})
+    b["trl_seed_offset"] = 1000
+    out = repeat(a, b, limit=5.0)
+    assert out["seed"] == 6 and out["trl_seed_offsets"] == [0, 1000]
+    assert out["tasks"]["a"]["trl"] == {"finals": [0.25, 0.32], "gap_points": -7.0}
+    assert out["modes"]["trl"]["gaps_points"] == {"a": -7.0, "b": 3.0}
+    assert out["modes"]["trl"]["max_abs_gap_points"] == 7.0
+    assert out["modes"]["trl"]["every_task_within_limit"] is False  # a: 7 points apart
+    assert out["modes"]["async"]["gaps_points"] == {"a": 2.0, "b": -2.0}
+    assert out["modes"]["async"]["every_task_within_limit"] is True
+
+
+def test_repeat_refuses_other_seeds_sizes_and_the_same_draws():
+    a = race(6, {"a": (0.3, 0.2)})
+    with pytest.raises(ParityError, match="got seeds 6 and 7"):
+        repeat(a, dict(race(7, {"a": (0.3, 0.2)}), trl_seed_offset=1))
+    with pytest.raises(ParityError, match="differ in sizes \\(steps\\)"):
+        repeat(a, dict(race(6, {"a": (0.3, 0.2)}, {"steps": 20, "eval_size": 200}), trl_seed_offset=1))
+    with pytest.raises(ParityError, match="seed offset 0: the same draws"):
+        repeat(a, race(6, {"a": (0.3, 0.2)}))
+    with pytest.raises(ParityError, match="share no task"):
+        repeat(a, dict(race(6, {"z": (0.3, 0.2)}), trl_seed_offset=1))
