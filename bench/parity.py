@@ -17,9 +17,11 @@ only in `--seed` (it refuses files whose sizes differ, or that repeat a seed) an
   no lower than -5 points on every task).
 
 `--repeat A.json B.json`: two runs of one seed (the same rows and held-out prompts) whose TRL drew
-with different seeds (`bench/real.py --trl-seed-offset`): per task and per mode that both ran, the
-first's final minus the second's, and whether every task's gap is within the limit. TRL against
-itself is the noise floor of one race's "within 5 points of TRL on every task".
+with different seeds (`bench/real.py --trl-seed-offset`) or skipped steps without signal
+(`--trl-skip-no-signal`): per task and per mode that both ran, the first's final minus the second's
+(and `<mode>_minus_second_trl`: the first's marlaas modes against the second's TRL), and whether
+every task's gap is within the limit. TRL against itself is the noise floor of one race's "within 5
+points of TRL on every task".
 
     .venv/bin/python bench/parity.py --repeat results/real_fair13_seed6.json \\
         results/real_trl_repeat_seed6.json --out results/real_trl_repeat_seed6_gaps.json
@@ -125,20 +127,23 @@ def repeat(a: dict, b: dict, limit: float = 5.0) -> dict:
         diff = sorted(k for k in set(a["sizes"]) | set(b["sizes"]) if a["sizes"].get(k) != b["sizes"].get(k))
         raise ParityError(f"the two runs differ in sizes ({', '.join(diff)}); compare like with like")
     oa, ob = a.get("trl_seed_offset", 0), b.get("trl_seed_offset", 0)
-    if oa == ob:
-        raise ParityError(f"both runs drew TRL with seed offset {oa}: the same draws, not a repeat")
-    out: dict = {"seed": sa, "trl_seed_offsets": [oa, ob], "limit_points": limit, "tasks": {}, "modes": {}}
+    ka, kb = bool(a.get("trl_skip_no_signal")), bool(b.get("trl_skip_no_signal"))
+    if (oa, ka) == (ob, kb):
+        raise ParityError(f"both runs drew TRL with seed offset {oa} and skip_no_signal {ka}: the same run, "
+                          f"not a repeat")
+    out: dict = {"seed": sa, "trl_seed_offsets": [oa, ob], "trl_skip_no_signal": [ka, kb], "limit_points": limit,
+                 "tasks": {}, "modes": {}}
     for t in a["tasks"]:
         if t not in b["tasks"]:
             continue
         rec = {}
-        for mode in (*MODES, "trl"):
-            fa = a["tasks"][t].get(mode, {}).get("final_acc")
-            fb = b["tasks"][t].get(mode, {}).get("final_acc")
+        for mode, other in (*((m, m) for m in (*MODES, "trl")), *((f"{m}_minus_second_trl", m) for m in MODES)):
+            fa = a["tasks"][t].get(other, {}).get("final_acc")
+            fb = b["tasks"][t].get(mode if mode == other else "trl", {}).get("final_acc")
             if fa is not None and fb is not None:
                 rec[mode] = {"finals": [fa, fb], "gap_points": round(100 * (fa - fb), 1)}
         out["tasks"][t] = rec
-    for mode in (*MODES, "trl"):
+    for mode in (*MODES, "trl", *(f"{m}_minus_second_trl" for m in MODES)):
         gaps = {t: r[mode]["gap_points"] for t, r in out["tasks"].items() if mode in r}
         if gaps:
             out["modes"][mode] = {"gaps_points": gaps, "max_abs_gap_points": max(abs(g) for g in gaps.values()),

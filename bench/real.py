@@ -24,7 +24,9 @@ the Procfile lines (hf engine, MARLAAS_THREADS=1):
 with the same seeds, steps, sizes and held-out sets. `--modes` picks any of them. `--trl-seed-offset K`
 gives TRL the seed + K for its draws and its LoRA's initial weights, on the same rows and held-out
 prompts: TRL against itself on a race's rows, the noise floor of one race's per-task gap
-(`bench/parity.py --repeat`).
+(`bench/parity.py --repeat`). `--trl-skip-no-signal` makes TRL's optimiser skip a step whose
+gradient is all zero (every group's rewards equal), as marlaas does: TRL steps AdamW anyway, and its
+first moment keeps moving the weights with no signal.
 Per task: the reasoning-gym config, the held-out
 greedy accuracy (pass@1 on `--eval-size` prompts, eval_every 0, eval_k 0) at version 0 (the base) and
 at the final version in each mode, the rise in points, the reward curve and the staleness histogram.
@@ -278,8 +280,10 @@ def run_trl(base: Path, tasks: list[str], a, save) -> tuple[dict, float]:
         train, held = job_rows(spec)  # the rows of the job's own seed, whatever TRL draws with
         drawn = spec.model_copy(update={"seed": spec.seed + (a.trl_seed_offset or 0)})
         rec = train_rows(base, tok, drawn, render_chat(train, tok), render_chat(held, tok), work,
+                         skip_no_signal=a.trl_skip_no_signal,
                          gradient_checkpointing=False)  # TRL's default (on) was 10% slower here
         rec["seed"] = drawn.seed
+        rec["skip_no_signal"] = a.trl_skip_no_signal
         rec["samples_per_s"] = round(spec.steps * spec.prompts_per_step * spec.group_size / rec["wall_s"], 3)
         rec["torch_threads"] = torch.get_num_threads()
         out[task] = rec
@@ -524,6 +528,9 @@ def main() -> None:
                     help="TRL's seed (its samples and its LoRA's initial weights) = the job's seed + this, on "
                          "the same rows and held-out prompts (the job's seed makes them): with --modes trl, "
                          "TRL against itself on another race's rows (bench/parity.py --repeat)")
+    ap.add_argument("--trl-skip-no-signal", action="store_true",
+                    help="TRL's optimiser skips steps whose gradient is all zero (every group's rewards equal), "
+                         "as a marlaas step without advantage is a no-op; TRL's default steps AdamW anyway")
     ap.add_argument("--drop-zero-advantage", type=_true_false, default=None,
                     help="marlaas jobs' rl.drop_zero_advantage (true|false; default: the spec's default)")
     ap.add_argument("--modes", default="sync,async,trl",
@@ -571,8 +578,10 @@ def main() -> None:
     state: dict = {"sync": {}, "async": {}, "trl": {}, "sync_wall_s": None, "async_wall_s": None, "trl_wall_s": None,
                    "busy": {}, "rss_mb": {}}
     wmb = weight_mb(base)
-    opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()
-                    if k not in ("out", "png", "base", "base_dir") and v is not None)
+    flags = {"trl_skip_no_signal"}  # store_true: shown bare when on, left out when off
+    opts = " ".join(f"--{k.replace('_', '-')}" + ("" if k in flags else f" {v}") for k, v in vars(a).items()
+                    if k not in ("out", "png", "base", "base_dir") and v is not None
+                    and not (k in flags and not v))
 
     def save(partial_sync: dict | None = None, partial_trl: dict | None = None) -> dict:
         # after every job / phase: a partial run keeps its data
@@ -595,6 +604,7 @@ def main() -> None:
                       "generate_workers": a.generate_workers,
                       "gen_jit_jobs": a.jit_jobs},
             "trl_seed_offset": a.trl_seed_offset or 0,
+            "trl_skip_no_signal": a.trl_skip_no_signal,
             "tasks": {},
             "sync_wall_s": state["sync_wall_s"],
             "async_wall_s": state["async_wall_s"],

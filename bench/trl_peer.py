@@ -50,12 +50,42 @@ def reward_fn(spec: JobSpec):
 ROWS: dict[str, list[dict]] = {}
 
 
-def grpo_trainer(model, tokenizer, spec: JobSpec, ds, reward, out_dir: Path, callbacks=(), **overrides):
+def skip_steps_without_signal(optimizer):
+    """Make `optimizer.step()` do nothing while every gradient is zero or absent, as a marlaas step
+    whose samples carry no advantage publishes the same weights and optimiser state (a `noop`).
+    TRL's GRPOTrainer steps AdamW anyway: with beta 0 a step where every group's rewards are equal has
+    an all-zero gradient, and Adam's first moment keeps moving the weights along its last direction
+    for tens of steps. Returns the optimizer; its `skipped_steps` counts the steps skipped."""
+    import torch
+
+    inner = optimizer.step
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    optimizer.skipped_steps = 0
+
+    def step(*args, **kwargs):
+        with torch.no_grad():
+            if not any(p.grad is not None and bool(p.grad.any()) for p in params):
+                optimizer.skipped_steps += 1
+                return None
+        return inner(*args, **kwargs)
+
+    optimizer.step = step
+    return optimizer
+
+
+def grpo_trainer(model, tokenizer, spec: JobSpec, ds, reward, out_dir: Path, callbacks=(),
+                 skip_no_signal: bool = False, **overrides):
     """TRL's GRPOTrainer set up as our job `spec` trains: prompts_per_step x group_size completions per
     step, max_new_tokens, temperature (top_p 1, top_k off), constant lr, no KL, a fresh LoRA of the
-    spec's rank and alpha on every linear layer, the dataset in its order."""
+    spec's rank and alpha on every linear layer, the dataset in its order. `skip_no_signal`: its
+    optimiser skips steps whose gradient is all zero (`skip_steps_without_signal`)."""
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
+
+    class SkipNoSignal(GRPOTrainer):
+        def create_optimizer(self, *args, **kwargs):
+            self.skipping = skip_steps_without_signal(super().create_optimizer(*args, **kwargs))
+            return self.skipping
 
     cfg = GRPOConfig(
         output_dir=str(out_dir), use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
@@ -67,8 +97,9 @@ def grpo_trainer(model, tokenizer, spec: JobSpec, ds, reward, out_dir: Path, cal
     )
     lora = LoraConfig(r=spec.lora.rank, lora_alpha=spec.lora.alpha, target_modules="all-linear",
                       lora_dropout=0.0, task_type="CAUSAL_LM")
-    return GRPOTrainer(model=model, reward_funcs=[reward], args=cfg, train_dataset=ds,
-                       processing_class=tokenizer, peft_config=lora, callbacks=list(callbacks))
+    cls = SkipNoSignal if skip_no_signal else GRPOTrainer
+    return cls(model=model, reward_funcs=[reward], args=cfg, train_dataset=ds,
+               processing_class=tokenizer, peft_config=lora, callbacks=list(callbacks))
 
 
 def job_setup(model_path: Path, spec: JobSpec, train: list[dict]):
@@ -122,7 +153,7 @@ def greedy_eval(model, tokenizer, spec: JobSpec, held: list[dict], eos_ids: list
 
 
 def train_rows(model_path: Path, tokenizer, spec: JobSpec, train: list[dict], held: list[dict],
-               out_dir: Path, **overrides) -> dict:
+               out_dir: Path, skip_no_signal: bool = False, **overrides) -> dict:
     """One job of `spec` on given (already rendered) rows: held-out greedy accuracy of the base, GRPO
     training, held-out accuracy of the trained adapter. wall_s = training + both evaluations (as a
     marlaas job's wall includes its evaluations at version 0 and the last); the per-step latency is
@@ -145,7 +176,8 @@ def train_rows(model_path: Path, tokenizer, spec: JobSpec, train: list[dict], he
     ev0 = greedy_eval(model, tokenizer, spec, held, eos_ids)
     eval0_s = time.time() - t0
     clock = StepClock()
-    trainer = grpo_trainer(model, tokenizer, spec, ds, reward_fn(spec), out_dir, [clock], **overrides)
+    trainer = grpo_trainer(model, tokenizer, spec, ds, reward_fn(spec), out_dir, [clock], skip_no_signal,
+                           **overrides)
     t1 = time.time()
     trainer.train()
     train_s = time.time() - t1
@@ -154,13 +186,14 @@ def train_rows(model_path: Path, tokenizer, spec: JobSpec, train: list[dict], he
     eval1_s = time.time() - t2
     gaps = [b - a for a, b in zip([t1] + clock.ends, clock.ends)]
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    skipped = trainer.skipping.skipped_steps if skip_no_signal else None
     base_acc, final_acc = ev0["exact"], ev1["exact"]
     return {"status": "done", "base_acc": base_acc, "final_acc": final_acc,
             "rise_points": round(100 * (final_acc - base_acc), 2),
             "mean_reward": [round(ev0["mean_reward"], 4), round(ev1["mean_reward"], 4)],
             "reward_curve": [round(r, 4) for r in rewards], "wall_s": round(eval0_s + train_s + eval1_s, 1),
             "train_s": round(train_s, 1), "eval_s": [round(eval0_s, 1), round(eval1_s, 1)],
-            "step_latency_s": percentiles(gaps)}
+            "step_latency_s": percentiles(gaps), "skipped_steps": skipped}
 
 
 def percentiles(xs: list[float]) -> dict:

@@ -81,7 +81,20 @@ def test_repeat_refuses_other_seeds_sizes_and_the_same_draws():
         repeat(a, dict(race(7, {"a": (0.3, 0.2)}), trl_seed_offset=1))
     with pytest.raises(ParityError, match="differ in sizes \\(steps\\)"):
         repeat(a, dict(race(6, {"a": (0.3, 0.2)}, {"steps": 20, "eval_size": 200}), trl_seed_offset=1))
-    with pytest.raises(ParityError, match="seed offset 0: the same draws"):
+    with pytest.raises(ParityError, match="seed offset 0 and skip_no_signal False: the same run"):
         repeat(a, race(6, {"a": (0.3, 0.2)}))
     with pytest.raises(ParityError, match="share no task"):
         repeat(a, dict(race(6, {"z": (0.3, 0.2)}), trl_seed_offset=1))
+
+
+def test_repeat_sets_the_first_runs_modes_against_the_second_runs_trl():
+    a = race(6, {"a": (0.33, 0.02)})
+    b = race(6, {"a": (0.0, 0.30)})
+    del b["tasks"]["a"]["async"]
+    b["trl_skip_no_signal"] = True
+    out = repeat(a, b)
+    assert out["trl_skip_no_signal"] == [False, True] and out["trl_seed_offsets"] == [0, 0]
+    assert out["modes"]["trl"]["gaps_points"] == {"a": -28.0}
+    assert out["modes"]["async_minus_second_trl"]["gaps_points"] == {"a": 3.0}
+    assert out["modes"]["async_minus_second_trl"]["every_task_within_limit"] is True
+    assert "async" not in out["modes"]  # the second run has no async final

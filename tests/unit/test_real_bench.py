@@ -52,3 +52,39 @@ def test_peak_rises_names_the_tasks_that_raised_each_workers_peak():
     assert out["g1"] == [{"at_s": 5.0, "seconds": 1.0, "station": "generate", "from_mb": 900.0, "to_mb": 1000.0,
                           "kinds": ["eval"]}]
     assert [(r["from_mb"], r["to_mb"], r["version"]) for r in out["t"]] == [(None, 800.0, 3), (800.0, 810.0, 4)]
+
+
+def test_the_trl_peers_optimiser_skips_steps_whose_gradient_is_all_zero():
+    """TRL's optimiser made to skip a no-signal step, as a marlaas step without advantage is a no-op:
+    after a real step, an all-zero gradient leaves the weights and Adam's moments as they were (the
+    plain AdamW keeps moving on its first moment); a non-zero gradient steps as before."""
+    import torch
+
+    from bench.trl_peer import skip_steps_without_signal
+
+    def pair():
+        w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+        return w, torch.optim.AdamW([w], lr=0.1, weight_decay=0.0)
+
+    w, opt = pair()
+    v, plain = pair()
+    skip_steps_without_signal(opt)
+    for p, o in ((w, opt), (v, plain)):
+        p.grad = torch.tensor([0.5, -0.25])
+        o.step()
+    assert torch.equal(w, v)  # the first step is AdamW's own
+    assert opt.skipped_steps == 0
+    moments = opt.state[w]["exp_avg"].clone(), opt.state[w]["exp_avg_sq"].clone(), float(opt.state[w]["step"])
+    before = w.detach().clone()
+    for p, o in ((w, opt), (v, plain)):
+        p.grad = torch.zeros(2)
+        o.step()
+    assert torch.equal(w, before)  # skipped: the same weights
+    assert torch.equal(opt.state[w]["exp_avg"], moments[0]) and float(opt.state[w]["step"]) == moments[2]
+    assert not torch.equal(v, before)  # plain AdamW moved with a zero gradient
+    w.grad = None
+    opt.step()
+    assert torch.equal(w, before)  # no gradient at all: skipped too
+    w.grad = torch.tensor([0.0, 1e-3])
+    opt.step()
+    assert not torch.equal(w, before) and opt.skipped_steps == 2  # any signal steps
