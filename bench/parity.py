@@ -23,7 +23,7 @@ with different seeds (`bench/real.py --trl-seed-offset`) or skipped steps withou
 every task's gap is within the limit. TRL against itself is the noise floor of one race's "within 5
 points of TRL on every task".
 
-    .venv/bin/python bench/parity.py --repeat results/real_fair13_seed6.json \\
+    .venv/bin/python bench/parity.py --repeat results/real_fair15_seed6_quarter.json \\
         results/real_trl_repeat_seed6.json --out results/real_trl_repeat_seed6_gaps.json
 """
 
@@ -52,6 +52,11 @@ def seed_of(result: dict) -> int:
     raise ParityError("a result has no --seed in its command; give bench/real.py outputs")
 
 
+def size_diff(a: dict, b: dict) -> str:
+    """The names of the sizes two runs set differently, sorted."""
+    return ", ".join(sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)))
+
+
 def mean_se(xs: list[float]) -> tuple[float, float | None]:
     m = sum(xs) / len(xs)
     if len(xs) < 2:
@@ -74,8 +79,7 @@ def parity(results: list[dict], limit: float = 5.0) -> dict:
         raise ParityError(f"seeds repeat: {seeds}; each result must be a different seed")
     for r, s in zip(results, seeds):
         if r["sizes"] != sizes:
-            diff = sorted(k for k in set(sizes) | set(r["sizes"]) if sizes.get(k) != r["sizes"].get(k))
-            raise ParityError(f"seed {s} ran with other sizes ({', '.join(diff)}); compare like with like")
+            raise ParityError(f"seed {s} ran with other sizes ({size_diff(sizes, r['sizes'])}); compare like with like")
     tasks = [t for t in results[0]["tasks"] if all(t in r["tasks"] for r in results)]
     n_eval = int(sizes["eval_size"])
     out: dict = {"seeds": seeds, "sizes": sizes, "limit_points": limit, "tasks": {}}
@@ -118,14 +122,13 @@ def parity(results: list[dict], limit: float = 5.0) -> dict:
 
 
 def repeat(a: dict, b: dict, limit: float = 5.0) -> dict:
-    """Per task and per mode both runs have, a's final minus b's (points): two runs of one seed and
-    sizes, their TRL drawn with different seeds."""
+    """Per task and per mode both runs have, a's final minus b's (points), and a's marlaas modes
+    minus b's TRL: two runs of one seed and sizes whose TRL differs (seed offset or step policy)."""
     sa, sb = seed_of(a), seed_of(b)
     if sa != sb:
         raise ParityError(f"--repeat compares two runs of one seed (the same rows), got seeds {sa} and {sb}")
     if a["sizes"] != b["sizes"]:
-        diff = sorted(k for k in set(a["sizes"]) | set(b["sizes"]) if a["sizes"].get(k) != b["sizes"].get(k))
-        raise ParityError(f"the two runs differ in sizes ({', '.join(diff)}); compare like with like")
+        raise ParityError(f"the two runs differ in sizes ({size_diff(a['sizes'], b['sizes'])}); compare like with like")
     oa, ob = a.get("trl_seed_offset", 0), b.get("trl_seed_offset", 0)
     ka, kb = bool(a.get("trl_skip_no_signal")), bool(b.get("trl_skip_no_signal"))
     if (oa, ka) == (ob, kb):
@@ -133,17 +136,18 @@ def repeat(a: dict, b: dict, limit: float = 5.0) -> dict:
                           f"not a repeat")
     out: dict = {"seed": sa, "trl_seed_offsets": [oa, ob], "trl_skip_no_signal": [ka, kb], "limit_points": limit,
                  "tasks": {}, "modes": {}}
+    pairs = [(m, m, m) for m in (*MODES, "trl")] + [(f"{m}_minus_second_trl", m, "trl") for m in MODES]
     for t in a["tasks"]:
         if t not in b["tasks"]:
             continue
         rec = {}
-        for mode, other in (*((m, m) for m in (*MODES, "trl")), *((f"{m}_minus_second_trl", m) for m in MODES)):
-            fa = a["tasks"][t].get(other, {}).get("final_acc")
-            fb = b["tasks"][t].get(mode if mode == other else "trl", {}).get("final_acc")
+        for name, mode_a, mode_b in pairs:  # the name, a's mode, b's mode
+            fa = a["tasks"][t].get(mode_a, {}).get("final_acc")
+            fb = b["tasks"][t].get(mode_b, {}).get("final_acc")
             if fa is not None and fb is not None:
-                rec[mode] = {"finals": [fa, fb], "gap_points": round(100 * (fa - fb), 1)}
+                rec[name] = {"finals": [fa, fb], "gap_points": round(100 * (fa - fb), 1)}
         out["tasks"][t] = rec
-    for mode in (*MODES, "trl", *(f"{m}_minus_second_trl" for m in MODES)):
+    for mode, _, _ in pairs:
         gaps = {t: r[mode]["gap_points"] for t, r in out["tasks"].items() if mode in r}
         if gaps:
             out["modes"][mode] = {"gaps_points": gaps, "max_abs_gap_points": max(abs(g) for g in gaps.values()),
@@ -165,7 +169,8 @@ def main() -> None:
     ap.add_argument("results", nargs="+", type=Path, help="bench/real.py outputs, one per seed")
     ap.add_argument("--limit", type=float, default=5.0, help="parity bound in points (default 5)")
     ap.add_argument("--repeat", action="store_true",
-                    help="two runs of one seed whose TRL drew with different seeds: each task's gap, run 1 - run 2")
+                    help="two runs of one seed whose TRL differs (--trl-seed-offset, --trl-skip-no-signal): "
+                         "each task's gap, run 1 - run 2")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     if a.repeat and len(a.results) != 2:
@@ -181,10 +186,14 @@ def main() -> None:
         for mode, m in out["modes"].items():
             print(f"{mode}: run 1 - run 2 per task {m['gaps_points']}, every task within {a.limit}: "
                   f"{m['every_task_within_limit']}")
-        if a.out:
-            a.out.write_text(json.dumps(out, indent=1) + "\n")
-            print("wrote", a.out)
-        return
+    else:
+        print_parity(out)
+    if a.out:
+        a.out.write_text(json.dumps(out, indent=1) + "\n")
+        print("wrote", a.out)
+
+
+def print_parity(out: dict) -> None:
     for t, rec in out["tasks"].items():
         line = "  ".join(f"{m} {rec['mean_final'][m]:.3f}" for m in rec["mean_final"])
         gap = rec.get("async_minus_trl_points", {})
@@ -192,9 +201,6 @@ def main() -> None:
     for mode in MODES:
         if f"{mode}_goal" in out:
             print(mode, out[f"{mode}_goal"])
-    if a.out:
-        a.out.write_text(json.dumps(out, indent=1) + "\n")
-        print("wrote", a.out)
 
 
 if __name__ == "__main__":
