@@ -81,7 +81,7 @@ class Ref:
         key, _, size = s.rpartition("#")
         owner, _, sha = key.rpartition("/")
         try:
-            if not _SHA.fullmatch(sha) or not size.isdigit():
+            if not _SHA.fullmatch(sha) or not (size.isascii() and size.isdigit()):
                 raise ValueError
             check_owner(owner)
         except ValueError:

@@ -190,8 +190,12 @@ def test_submit_read_and_progress(two, st, tmp_path):
     assert c["alice"].get(f"/v1/jobs/{jid}").json()["id"] == jid
     assert [j["id"] for j in c["alice"].get("/v1/jobs").json()["jobs"]] == [jid]
     assert c["alice"].get(f"/v1/jobs/{jid}/checkpoints").json() == {"checkpoints": []}
-    assert "no trained adapter yet" in err(c["alice"].get(f"/v1/jobs/{jid}/checkpoints/latest/adapter"), 404,
-                                          "NotFound")
+    for v in ("latest", "1"):  # not "versions 1..0"
+        assert "no trained adapter yet" in err(c["alice"].get(f"/v1/jobs/{jid}/checkpoints/{v}/adapter"), 404,
+                                              "NotFound")
+    for bad in ("nan", "inf", "1e400"):  # a cursor is a finite time
+        err(c["alice"].get(f"/v1/jobs/{jid}/events", params={"after": bad},
+                           headers={"Accept": "application/json"}), 422, "SpecError")
     # a published step (as the trainer writes it) shows in metrics, events, checkpoints and the adapter
     at = time.time()
     st.publish(jid, 0, AdapterBlob(config={"r": 4, "peft_type": "LORA"}, weights=b"w1"), b"o",
@@ -218,7 +222,8 @@ def test_submit_read_and_progress(two, st, tmp_path):
     assert (out / "adapter_model.safetensors").read_bytes() == b"w1"
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
     assert "versions 1..1, not 5" in err(c["alice"].get(f"/v1/jobs/{jid}/checkpoints/5/adapter"), 404, "NotFound")
-    err(c["alice"].get(f"/v1/jobs/{jid}/checkpoints/x/adapter"), 422, "SpecError")
+    for bad in ("x", "\u00b2", "\u0661"):  # '²' and Arabic-Indic '1' pass str.isdigit(); int('²') raises
+        err(c["alice"].get(f"/v1/jobs/{jid}/checkpoints/{bad}/adapter"), 422, "SpecError")
     # the event stream: history, a status line, and `end` once the job is cancelled
     with c["alice"].stream("GET", f"/v1/jobs/{jid}/events", headers={"Accept": "text/event-stream"}) as s:
         assert s.headers["content-type"].startswith("text/event-stream")

@@ -103,6 +103,7 @@ def test_errors_take_openai_shape_and_status(door):
         assert theirs["message"].replace(job.id, "J") == unknown["message"].replace("j999999", "J")
         assert theirs["code"] == "model_not_found"
         assert job.id not in [m["id"] for m in http.get("/models").json()["data"]]
+        assert err(http.get("/models/j1%0Ax"), 404)["code"] == "model_not_found"  # a newline in the name too
     finally:
         job.cancel()
     assert "tools" in err(http.post("/chat/completions", json={"model": base, "messages": msg, "tools": []}),

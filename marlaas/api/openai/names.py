@@ -82,7 +82,7 @@ def parse(name: str, base: tuple[str, ...]) -> ModelName:
         return ModelName("best", job=job)
     job, sep, v = name.partition("/")
     if sep:
-        if not JOB_ID.match(job) or not v.isdigit():
+        if not JOB_ID.match(job) or not (v.isascii() and v.isdigit()):
             raise not_found(name)
         return ModelName("version", job=job, version=int(v))
     if not JOB_ID.match(name):

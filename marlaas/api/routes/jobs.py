@@ -89,7 +89,7 @@ def resume(job_id: str, p: Principal = Caller, svc: Service = Svc) -> dict:
 
 
 @router.get("/{job_id}/events", response_model=EventPage, responses={200: {"content": {"text/event-stream": {}}}})
-async def events(request: Request, job_id: str, after: float | None = Query(None),
+async def events(request: Request, job_id: str, after: float | None = Query(None, allow_inf_nan=False),
                  limit: int = Query(500, ge=1, le=10_000), p: Principal = Caller, svc: Service = Svc,
                  last_event_id: str = Header(None, pattern=CURSOR, description="The `id:` of the last "
                                                     "event received: the stream resumes after it")):
@@ -195,7 +195,7 @@ def adapter(job_id: str, version: str = Path(description="A version number or 'l
     """The adapter of `version` ('latest' = the newest) as a tar.gz of a PEFT directory."""
     if version == "latest":
         v = None
-    elif version.isdigit():
+    elif version.isascii() and version.isdigit():  # not '²', which isdigit() takes
         v = int(version)
     else:
         raise SpecError(f"invalid request: version {version!r}: give a number or 'latest'")

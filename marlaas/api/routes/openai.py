@@ -174,7 +174,7 @@ async def list_models(p: Principal = Caller, svc: Service = Svc) -> dict:
     return {"object": "list", "data": await run_in_threadpool(names.listing, svc.store, p.tenant)}
 
 
-@v1.get("/models/{model:path}")
+@v1.get("/models/{model:rest}")
 async def get_model(model: str, p: Principal = Caller, svc: Service = Svc) -> dict:
     target = await run_in_threadpool(names.resolve, svc.store, TinkerStore(svc.store), p.tenant, model)
     return {"id": model, "object": "model", "created": 0,

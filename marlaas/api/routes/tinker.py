@@ -399,7 +399,7 @@ router.include_router(api)
 
 
 # ---------------------------------------------------------------- everything else: one clear line
-@router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+@router.api_route("/{rest:rest}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
 def unsupported(rest: str, request: Request, t: str = Tenant) -> dict:
     """A Tinker call this server does not serve (publish, copy_weights, save_weights_external, ...):
     404 at once with what it was (the SDK raises NotFoundError), never a hang or a bare 'Not Found';
