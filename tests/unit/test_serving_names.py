@@ -31,7 +31,8 @@ def test_parse_names_each_kind(name, kind, job, version):
         assert m.path == name
 
 
-@pytest.mark.parametrize("name", ["", "j12@latest", "j12/x", "j12/-1", "j12/\u00b2", "j12/\u0661", "a b", "j1/2/3", "@best", "x" * 65])
+@pytest.mark.parametrize("name", ["", "j12@latest", "j12/x", "j12/-1", "j12/\u00b2", "j12/\u0661", "a b", "j1/2/3",
+                                  "@best", "x" * 65])
 def test_a_name_of_no_kind_is_not_found_naming_it(name):
     with pytest.raises(NotFound) as e:
         names.parse(name, BASE)
