@@ -1,7 +1,8 @@
 """The reward-hacking alarm: training reward up while held-out accuracy goes down (pure, no I/O).
 
 When a held-out evaluation of version v is written, it is compared with the previous evaluated
-version p < v (evaluations may finish out of order: p is the closest below v):
+version p < v (evaluations may finish out of order: p is the closest below v, and the caller also
+checks the next evaluated version above a late one, `marlaas.verify.station.check_reward_hacking`):
 
     fall = exact(p) - exact(v)                                    held-out accuracy lost
     rise = mean(reward[v-w+1..v]) - mean(reward[p+1..p+w])        training reward gained

@@ -99,17 +99,25 @@ def run_verify(store: Store, jid: str, kind: str, idxs: list[int], tool_url: str
 
 
 def check_reward_hacking(store: Store, jid: str, spec, v: int) -> bool:
-    """After the evaluation of version v: the reward-hacking alarm (`marlaas.verify.alarm`) as a
-    warning notice, once per version; with `pause_on_reward_hacking`, a job still training is paused
-    (resumable). One whose training is over (evaluating its last versions) is not: there is nothing
-    left to stop. The notice's `paused` says which. True when it fired."""
-    alarm = reward_hacking(store.best(jid)["exact"], evaluation.train_rewards(store.metrics(jid)), v,
-                           spec.reward_hacking_drop, spec.reward_hacking_rise)
-    if alarm is None or not store.claim_notice(jid, f"hacking:{v}", 1):
-        return False
-    paused = (spec.pause_on_reward_hacking and v < spec.steps
-              and store.transition_status(jid, (JobStatus.RUNNING.value,), JobStatus.PAUSED.value)
-              == JobStatus.RUNNING.value)
-    store.add_notice(jid, "warning", {**alarm.data(), "paused": paused})
-    log.warning("job %s: %s%s", jid, alarm.message(), " (paused)" if paused else "")
-    return True
+    """After the evaluation of version v is stored: the reward-hacking alarm (`marlaas.verify.alarm`)
+    for the interval ending at v and, since evaluations finish out of order, for the one ending at the
+    next evaluated version above v (whose own check ran before v's result existed: an evaluation of
+    version 0 finishing after version 6's would otherwise leave (0, 6] unchecked). Each evaluation
+    checks after its own write, so whichever of two writes comes second sees both. A warning notice,
+    once per version; with `pause_on_reward_hacking`, a job still training is paused (resumable). One
+    whose training is over (evaluating its last versions) is not: there is nothing left to stop. The
+    notice's `paused` says which. True when it fired."""
+    exact, rewards = store.best(jid)["exact"], evaluation.train_rewards(store.metrics(jid))
+    later = min((u for u in exact if u > v), default=None)
+    fired = False
+    for u in (v,) if later is None else (v, later):
+        alarm = reward_hacking(exact, rewards, u, spec.reward_hacking_drop, spec.reward_hacking_rise)
+        if alarm is None or not store.claim_notice(jid, f"hacking:{u}", 1):
+            continue
+        paused = (spec.pause_on_reward_hacking and u < spec.steps
+                  and store.transition_status(jid, (JobStatus.RUNNING.value,), JobStatus.PAUSED.value)
+                  == JobStatus.RUNNING.value)
+        store.add_notice(jid, "warning", {**alarm.data(), "paused": paused})
+        log.warning("job %s: %s%s", jid, alarm.message(), " (paused)" if paused else "")
+        fired = True
+    return fired

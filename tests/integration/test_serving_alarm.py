@@ -82,11 +82,18 @@ def test_a_grader_paying_for_restating_fires_the_alarm_and_honest_runs_do_not(wo
                             "pause_on_reward_hacking": True})
     try:
         st = _until(hacked, ("paused", "done", "failed"), 600)
-        evals = {e["version"]: e["exact"] for e in hacked.evals()}
+        table = hacked.evals()
+        evals = {e["version"]: e["exact"] for e in table}
         steps = [m["reward_mean"] for m in hacked.metrics()["steps"]]
-        assert evals[0] == 1.0, evals  # the held-out answers are the base's own
+        # what decides the alarm, whole (a tuple's repr is cut in the log): held-out exact, the order the
+        # evaluations were stored in, and the training reward per step
+        seen = (f"status {st['status']}, exact {evals}, stored in the order "
+                f"{[e['version'] for e in sorted(table, key=lambda e: e['at'])]}, "
+                f"rewards {[round(x, 3) for x in steps]}")
+        print(seen)
+        assert evals[0] == 1.0, seen  # the held-out answers are the base's own
         alarms = _alarms(hacked.id)
-        assert alarms, (st["status"], evals, steps)
+        assert alarms, seen
         a = alarms[0]
         assert a["exact_after"] < a["exact_before"] - 0.1 and a["reward_after"] > a["reward_before"]
         # paused iff training was still going when that evaluation was scored (the event says which);

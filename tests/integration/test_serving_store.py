@@ -161,3 +161,16 @@ def test_the_alarm_is_a_warning_notice_once_and_pauses_when_asked(st):
     notes = [n for n in st.notices(jid) if n["data"].get("alarm") == "reward_hacking"]
     assert len(notes) == 1 and notes[0]["data"]["paused"] is False
     assert st.job(jid).status == "evaluating"
+    # out of order: version 4's evaluation is stored (and checked) before version 0's; the later-stored
+    # one checks the interval above it, so (0, 4] is not left unchecked
+    spec = JobSpec(task="add", steps=8, eval_every=4)
+    jid = st.create_job(spec, rows, rows)
+    for s, reward in enumerate((0.1, 0.2, 0.6, 0.8), start=1):
+        st.r.rpush(metrics_key(jid), json.dumps({"step": s, "reward_mean": reward}))
+    st.put_eval_result(jid, 4, _ev(0.25))
+    assert not check_reward_hacking(st, jid, spec, 4)  # nothing below 4 evaluated yet
+    st.put_eval_result(jid, 0, _ev(0.5))
+    assert check_reward_hacking(st, jid, spec, 0)
+    notes = [n["data"] for n in st.notices(jid) if n["data"].get("alarm") == "reward_hacking"]
+    assert [(n["previous"], n["version"]) for n in notes] == [(0, 4)]
+    assert not check_reward_hacking(st, jid, spec, 4) and not check_reward_hacking(st, jid, spec, 0)  # once
