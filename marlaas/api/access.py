@@ -155,8 +155,8 @@ def summary(store: Store, rec: JobRecord) -> dict:
     and final_acc are deprecated aliases of the exact figures), error counts (`grader_errors`: the
     completions the grader could not score, in training and in evaluations), the error, times."""
     last = store.last_metrics(rec.id) or {}
-    evals = store.evals(rec.id)
     spec = rec.spec
+    evals = store.evals_of(rec.id, [0, spec.steps])  # not every evaluation's outputs: a list reads one per job
     base_exact, base_mean = figures(evals.get(0, {}))
     final_exact, final_mean = figures(evals.get(spec.steps, {}))
     train_errors, eval_errors = int(rec.extra.get("verify_errors", 0)), int(rec.extra.get("eval_verify_errors", 0))

@@ -210,13 +210,14 @@ class Service:
         named). `next` is the cursor of the following page; `more` says whether one exists."""
         rec = self.record(principal, job_id)
         since = rec.created if after is None else float(after)
-        # Each kind is read a page at a time (at most limit + 1 after `since`): the page's cost does not
-        # grow with the job's length or with other tenants' activity. The first `limit` of the merge
+        # Each kind is read a page at a time (at most limit + 1 after `since`; evaluations through their
+        # times, `Store.evals_after`): the page's cost does not grow with the job's length (its number of
+        # evaluations included) or with other tenants' activity. The first `limit` of the merge
         # lie within the first `limit` of each kind.
         n = max(limit, 1)
         evs = [{"type": "step", "at": m["at"], "data": m} for m in self.store.metrics_after(job_id, since, n + 1)]
-        evs += [{"type": "eval", "at": e["at"], "data": table_row(v, e)}
-                for v, e in sorted(self.store.evals(job_id).items()) if (e.get("at") or 0) > since]
+        evs += [{"type": "eval", "at": e.get("at") or 0, "data": table_row(v, e)}
+                for v, e in self.store.evals_after(job_id, since, n + 1)]
         evs += [{"type": "task", "at": e["end"], "data": e} for e in self.store.job_tasks(job_id, since, n + 1)]
         evs += self.store.notices(job_id, since, n + 1)  # grader_error / warning: what the tenant must be told
         evs.sort(key=lambda e: e["at"])

@@ -16,6 +16,7 @@ Key schema (prefix `m:`):
   m:job:{j}:verified            set of group indices verified and not yet trained
   m:job:{j}:eval:{v}            hash of the held-out evaluation of version v (like a rollout)
   m:job:{j}:evals               hash v -> JSON {exact, mean_reward, n, k, pass_at_k, ...} (evaluation.summarize)
+  m:job:{j}:evaltimes           zset v -> when its evaluation was stored (`at`): evals paged by time
   m:job:{j}:adapter:{v}         hash: config (JSON), ref (the safetensors bytes' object, artifacts.Ref)
   m:job:{j}:optim               hash: version, ref (the optimizer state's object)
   m:job:{j}:metrics             list of JSON, one per published step
@@ -96,6 +97,7 @@ from marlaas.store.keys import (  # noqa: F401  (re-exported: the store layer's 
     P,
     adapter_key,
     eval_key,
+    eval_times_key,
     evals_key,
     item_name,
     job_end_key,

@@ -58,6 +58,12 @@ def evals_key(j: str) -> str:
     return f"{P}job:{j}:evals"
 
 
+def eval_times_key(j: str) -> str:
+    """Sorted set: evaluated version -> when its evaluation was stored (`at`), so the job's timeline
+    pages its evaluations without reading their outputs."""
+    return f"{P}job:{j}:evaltimes"
+
+
 def metrics_key(j: str) -> str:
     return f"{P}job:{j}:metrics"
 

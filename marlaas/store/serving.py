@@ -13,8 +13,8 @@ Invariants:
   while a tenant promotes never interleaves: `put_eval_result` writes the evaluation, drops its lease
   and recomputes `auto` over every recorded exact in one script; `pin_best` checks that the version was
   evaluated and is still stored and pins it in one script.
-- `put_eval_result` here REPLACES `WorkOps.put_eval_result` (ServingOps comes first in the Store's
-  bases): the same three writes, plus the promotion, atomically.
+- `put_eval_result` writes the evaluation, its time in the job's evaluation times (the timeline pages
+  by it), drops its lease and moves the promotion, atomically.
 - Version 0 (the base model) takes part like any evaluated version: if the base scores best, `@best`
   is the base itself.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 
 from marlaas.errors import Conflict, NotFound
-from marlaas.store.keys import LEASES, adapter_key, aliases_key, best_key, eval_key, evals_key
+from marlaas.store.keys import LEASES, adapter_key, aliases_key, best_key, eval_key, eval_times_key, evals_key
 from marlaas.store.tinker import PENDING_SAMPLE
 from marlaas.types import ItemKind, WorkItem
 
@@ -39,11 +39,13 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
 
-# KEYS: evals, eval rollout, leases, best ; ARGV: version, result JSON, lease name, exact ('' = none)
+# KEYS: evals, eval rollout, leases, best, eval times ; ARGV: version, result JSON, lease name, exact ('' = none),
+# at (0 = none)
 PUT_EVAL = """
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[3])
+redis.call('ZADD', KEYS[5], ARGV[5], ARGV[1])
 if ARGV[4] == '' then return 0 end
 redis.call('HSET', KEYS[4], 'x:' .. ARGV[1], ARGV[4])
 local flat = redis.call('HGETALL', KEYS[4])
@@ -82,11 +84,11 @@ class ServingOps:
     def put_eval_result(self, jid: str, v: int, result: dict) -> None:
         """Store the held-out evaluation of version v (its lease dropped) and move the job's automatic
         `@best` to the evaluated version with the highest `exact` (ties: the later), in one script."""
-        exact = result.get("exact")
+        exact, at = result.get("exact"), result.get("at")
         self._script("_put_eval", PUT_EVAL)(
-            keys=[evals_key(jid), eval_key(jid, v), LEASES, best_key(jid)],
+            keys=[evals_key(jid), eval_key(jid, v), LEASES, best_key(jid), eval_times_key(jid)],
             args=[str(v), json.dumps(result), WorkItem(ItemKind.EVALVER, jid, v).name,
-                  "" if exact is None else repr(float(exact))])
+                  "" if exact is None else repr(float(exact)), repr(float(at or 0))])
 
     def best(self, jid: str) -> dict:
         """{"version": @best or None, "auto": the evaluated best or None, "pinned": the pinned version

@@ -11,6 +11,7 @@ from marlaas.store.keys import (
     LEASES,
     adapter_key,
     eval_key,
+    eval_times_key,
     evals_key,
     job_key,
     lease_index_key,
@@ -168,15 +169,35 @@ class WorkOps:
         out["attempt"] = h[b"attempt"].decode()
         return out
 
-    def put_eval_result(self, jid: str, v: int, result: dict) -> None:
-        p = self.r.pipeline(transaction=True)
-        p.hset(evals_key(jid), str(v), json.dumps(result))
-        p.delete(eval_key(jid, v))
-        p.zrem(LEASES, WorkItem(ItemKind.EVALVER, jid, v).name)
-        p.execute()
+    # put_eval_result: marlaas.store.serving (it moves the job's @best in the same script)
 
     def evals(self, jid: str) -> dict[int, dict]:
         return {int(k): json.loads(v) for k, v in self.r.hgetall(evals_key(jid)).items()}
+
+    def evals_of(self, jid: str, versions: list[int]) -> dict[int, dict]:
+        """The stored evaluations of these versions only (absent ones left out): one HMGET."""
+        got = self.r.hmget(evals_key(jid), [str(v) for v in versions]) if versions else []
+        return {v: json.loads(x) for v, x in zip(versions, got) if x is not None}
+
+    def evals_after(self, jid: str, since: float, count: int) -> list[tuple[int, dict]]:
+        """The job's first `count` evaluations stored after time `since`, oldest first, as (version,
+        result): its evaluation times are read a page at a time (a zset by `at`) and only those
+        evaluations' results, so the cost does not grow with the job's number of evaluations. A job
+        evaluated before the times were kept gets them from its results, once."""
+        p = self.r.pipeline(transaction=False)
+        p.zcard(eval_times_key(jid))
+        p.hlen(evals_key(jid))
+        timed, stored = p.execute()
+        if timed < stored:
+            # an evaluation without a time counts as stored at 0, as the timeline always read it; NX: a
+            # time written meanwhile by put_eval_result (a newer result) is not set back
+            self.r.zadd(eval_times_key(jid), {str(k): float(ev.get("at") or 0) for k, ev in self.evals(jid).items()},
+                        nx=True)
+        page = self.r.zrangebyscore(eval_times_key(jid), f"({since!r}", "+inf", start=0, num=count)
+        if not page:
+            return []
+        got = self.r.hmget(evals_key(jid), page)
+        return [(int(v), json.loads(x)) for v, x in zip(page, got) if x is not None]
 
     def has_evals(self, jid: str, versions: list[int]) -> list[bool]:
         return [bool(x) for x in self.r.hmget(evals_key(jid), [str(v) for v in versions])]

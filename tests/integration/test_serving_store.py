@@ -174,3 +174,26 @@ def test_the_alarm_is_a_warning_notice_once_and_pauses_when_asked(st):
     notes = [n["data"] for n in st.notices(jid) if n["data"].get("alarm") == "reward_hacking"]
     assert [(n["previous"], n["version"]) for n in notes] == [(0, 4)]
     assert not check_reward_hacking(st, jid, spec, 4) and not check_reward_hacking(st, jid, spec, 0)  # once
+
+
+def test_evaluations_are_paged_by_the_time_they_were_stored(st):
+    from marlaas.store import eval_times_key, evals_key
+
+    jid = "jpage"
+    for v, at in ((0, 10.0), (6, 30.0), (2, 20.0), (4, 40.0)):  # stored out of version order
+        st.put_eval_result(jid, v, {**_ev(v / 10), "at": at})
+    assert [v for v, _ in st.evals_after(jid, 0.0, 10)] == [0, 2, 6, 4]  # by time, not by version
+    assert [v for v, _ in st.evals_after(jid, 20.0, 2)] == [6, 4]  # strictly after, at most `count`
+    assert st.evals_after(jid, 40.0, 10) == []
+    (v, ev), = st.evals_after(jid, 25.0, 1)
+    assert (v, ev["exact"], ev["at"]) == (6, 0.6, 30.0)
+    st.put_eval_result(jid, 6, {**_ev(0.0), "at": 50.0})  # re-scored: its newer time and result
+    assert [(v, e["exact"]) for v, e in st.evals_after(jid, 35.0, 10)] == [(4, 0.4), (6, 0.0)]
+    assert st.evals_of(jid, [0, 6, 8]) == {0: st.evals(jid)[0], 6: st.evals(jid)[6]}  # 8: not evaluated
+    assert st.evals_of(jid, []) == {}
+    # a job evaluated before the times were kept: its times come from its results, once
+    old = "jold"
+    st.r.hset(evals_key(old), mapping={"0": json.dumps({**_ev(0.5), "at": 5.0}), "3": json.dumps(_ev(0.7))})
+    assert [v for v, _ in st.evals_after(old, 1.0, 10)] == [0]  # one without a time counts as stored at 0
+    assert st.r.zcard(eval_times_key(old)) == 2
+    assert [v for v, _ in st.evals_after(old, -1.0, 10)] == [3, 0]
