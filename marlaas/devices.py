@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import sys
 
 
@@ -54,11 +55,17 @@ def release_heap(device) -> None:
     between calls (a generate worker on SmolLM2-135M: 1,039 MB resident after an evaluation with
     this, 1,115 MB without; the peak during a call is not lowered, and the call took as long).
     Nothing on other devices or without glibc."""
-    if getattr(device, "type", device) == "cpu":
-        try:
-            ctypes.CDLL(None).malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
+    if getattr(device, "type", device) == "cpu" and (trim := _malloc_trim()) is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, looked up once per process (None without glibc)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
 
 
 @contextlib.contextmanager

@@ -67,3 +67,19 @@ print("triton loaded:", "triton" in sys.modules)
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "triton loaded: False" in out.stdout
+
+
+def test_release_heap_trims_on_the_cpu_only_and_looks_malloc_trim_up_once(monkeypatch):
+    from marlaas import devices
+
+    calls = []
+    devices._malloc_trim.cache_clear()
+    monkeypatch.setattr(devices.ctypes, "CDLL", lambda name: type("Libc", (), {"malloc_trim": calls.append})())
+    devices.release_heap("cpu")
+    devices.release_heap(torch.device("cpu"))
+    devices.release_heap("cuda")  # nothing on another device
+    assert calls == [0, 0] and devices._malloc_trim.cache_info().misses == 1
+    devices._malloc_trim.cache_clear()
+    monkeypatch.setattr(devices.ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError("no libc")))
+    devices.release_heap("cpu")  # without glibc: nothing, no error
+    devices._malloc_trim.cache_clear()
