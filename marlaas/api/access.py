@@ -102,7 +102,7 @@ def trainer(principal: Principal) -> str:
 def version(rec: JobRecord, v: int | None = None) -> int:
     """A published adapter version of the job (default: the newest); NotFound outside 1..version."""
     v = rec.version if v is None else v
-    if v == 0 or (rec.version == 0 and v > 0):
+    if v == 0 or rec.version == 0:
         raise NotFound(f"job {rec.id} has no trained adapter yet (version 0 is the base model itself)")
     if v < 0 or v > rec.version:
         raise NotFound(f"job {rec.id} has versions 1..{rec.version}, not {v}")

@@ -184,16 +184,17 @@ class WorkOps:
         result): its evaluation times are read a page at a time (a zset by `at`) and only those
         evaluations' results, so the cost does not grow with the job's number of evaluations. A job
         evaluated before the times were kept gets them from its results, once."""
-        p = self.r.pipeline(transaction=False)
-        p.zcard(eval_times_key(jid))
+        times, after = eval_times_key(jid), f"({since!r}"
+        p = self.r.pipeline(transaction=False)  # the page and the back-fill check in one round trip
+        p.zcard(times)
         p.hlen(evals_key(jid))
-        timed, stored = p.execute()
+        p.zrangebyscore(times, after, "+inf", start=0, num=count)
+        timed, stored, page = p.execute()
         if timed < stored:
             # an evaluation without a time counts as stored at 0, as the timeline always read it; NX: a
             # time written meanwhile by put_eval_result (a newer result) is not set back
-            self.r.zadd(eval_times_key(jid), {str(k): float(ev.get("at") or 0) for k, ev in self.evals(jid).items()},
-                        nx=True)
-        page = self.r.zrangebyscore(eval_times_key(jid), f"({since!r}", "+inf", start=0, num=count)
+            self.r.zadd(times, {str(k): float(ev.get("at") or 0) for k, ev in self.evals(jid).items()}, nx=True)
+            page = self.r.zrangebyscore(times, after, "+inf", start=0, num=count)
         if not page:
             return []
         got = self.r.hmget(evals_key(jid), page)
